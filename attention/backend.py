@@ -1,0 +1,57 @@
+"""One attention interface for the model; which implementation runs is chosen here, not in the model.
+
+Triton kernels on CUDA, the plain-torch reference on CPU; `PAGEDRAY_ATTENTION_BACKEND=triton|torch`
+forces one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pagedray.attention import torch_ref
+from pagedray.attention.metadata import AttentionMetadata
+
+ENV_VAR = "PAGEDRAY_ATTENTION_BACKEND"
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The three paged operations a model step needs, bound to one implementation."""
+
+    name: str
+    store_kv: Callable[..., None]  # (key, value, key_cache, value_cache, slot_mapping)
+    paged_attention: Callable[..., torch.Tensor]  # (query, key_cache, value_cache, metadata, scale)
+    copy_blocks: Callable[..., None]  # (kv_cache, src_block_ids, dst_block_ids)
+
+
+TORCH_BACKEND = AttentionBackend(
+    name="torch",
+    store_kv=torch_ref.store_kv,
+    paged_attention=torch_ref.paged_attention,
+    copy_blocks=torch_ref.copy_blocks,
+)
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """The backend for `device`, unless the environment variable names one."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise ValueError(f"{ENV_VAR}: must be 'torch' or 'triton', got {choice!r}")
+    if not choice:
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "torch":
+        return TORCH_BACKEND
+    return _triton_backend()
+
+
+def _triton_backend() -> AttentionBackend:
+    from pagedray.attention import triton_backend
+
+    return triton_backend.TRITON_BACKEND
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "select_backend", "TORCH_BACKEND"]

@@ -1,0 +1,20 @@
+"""pagedray: PagedAttention serving with prefix caching, copy-on-write sampling and continuous batching."""
+
+from __future__ import annotations
+
+from pagedray.scheduler.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # NOTE: lazy so `import pagedray` (e.g. for SamplingParams) does not import torch.
+    if name == "LLM":
+        from pagedray.cluster.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedray.scheduler import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

@@ -1,0 +1,26 @@
+"""The scheduler's slice of the frozen config tree (plain dataclass: scheduler/ imports no pydantic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the continuous-batching policy; the number of KV blocks is learned at run time."""
+
+    max_model_len: int  # tokens, prompt + output, per sequence
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
+    enable_prefix_caching: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_waiting: int | None = None  # admission bound; None = unbounded
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {self.policy!r}")

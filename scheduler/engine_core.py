@@ -1,0 +1,73 @@
+"""The engine core loop: schedule, run on the workers, update. Three calls a step, as nano-vllm.
+
+The executor is anything that turns a `SchedulerOutput` into rank 0's `ModelRunnerOutput`: an
+in-process model runner, or Ray worker actors behind one of the cluster's dispatch paths.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Protocol
+
+from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.scheduler.outputs import EngineCoreOutput
+from pagedray.scheduler.request import EngineRequest, Request, RequestStatus
+from pagedray.scheduler.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    """Runs one step on every tensor-parallel rank and returns rank 0's result."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    """A scheduler bound to an executor; `step()` advances every running sequence by one token."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_kv_blocks: int,
+        executor: Executor,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.scheduler = Scheduler(config, num_kv_blocks, eos_token_ids)
+        self.executor = executor
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_steps = 0
+        self.last_step_time = 0.0  # seconds, time.monotonic() at the end of the last step
+        self.last_step_duration = 0.0  # seconds
+        self.last_batch_size = 0  # sequences in the last step
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        self.scheduler.add_request(Request(engine_request, eos_token_id=None))
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, req_ids: Iterable[str]) -> None:
+        """Finish requests whose stop string the detokenizer found."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            if scheduler_output.finished_req_ids:
+                # Let the workers drop what finished even when nothing else runs.
+                self.executor.execute_model(scheduler_output)
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.last_step_time = time.monotonic()
+        self.last_step_duration = self.last_step_time - start
+        self.last_batch_size = len(scheduler_output.num_scheduled_tokens)
+        return outputs
+
+    def stats(self) -> dict[str, float]:
+        return {**self.scheduler.stats(), "num_steps": self.num_steps}

@@ -1,0 +1,226 @@
+"""Each live sequence's block table over the shared `BlockPool`: prefix hits, growth, CoW, forks.
+
+The scheduler asks this class for blocks and never touches refcounts itself, so every rule that
+keeps KV memory consistent (refcounts, copy-on-write, prefix-cache indexing) lives here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedray.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
+from pagedray.scheduler.request import Request
+
+
+@dataclass
+class Allocation:
+    """What `allocate_slots` changed in one sequence's block table, for the workers' diff."""
+
+    # Block ids added at the end of the table: prefix-hit blocks first (first admission), then
+    # fresh ones. Old table (after CoW replacements) + new_block_ids == new table.
+    new_block_ids: list[int]
+    # Copy-on-write (src block id, dst block id): dst replaced src in this table; the workers
+    # must copy src's slots into dst before the forward pass.
+    copies: list[tuple[int, int]]
+    replaced: bool  # some existing table entry changed (a CoW), not only appends
+
+
+class KVCacheManager:
+    """Block tables of all live sequences, with automatic prefix caching and copy-on-write."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # the block tables
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}  # hashes of full blocks
+        # Leading table blocks already offered to the index, so each step only looks at new ones.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of leading full blocks of `req` already in the prefix cache.
+
+        Capped so at least one token is left to compute: the model must run on the last token to
+        produce logits. Refcounts are untouched; pass the blocks to `allocate_slots`.
+
+        Returns:
+            (the cached blocks in table order, the number of tokens they hold).
+        """
+        self.prefix_cache_queries += req.num_tokens
+        if not self.enable_caching:
+            return [], 0
+        block_hashes = self._update_block_hashes(req)
+        max_hit_blocks = max(0, (req.num_tokens - 1) // self.block_size)
+        computed_blocks: list[KVCacheBlock] = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            computed_blocks.append(block)
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        self.prefix_cache_hits += num_hit_tokens
+        return computed_blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> Allocation | None:
+        """Grow `req`'s table to hold its computed tokens, the prefix hit and `num_new_tokens`.
+
+        Before a sequence writes into a block that other tables share (the partial tail after a
+        fork), it gets a private copy: copy-on-write.
+
+        Args:
+            req: The sequence; `req.num_computed_tokens` excludes `new_computed_blocks`.
+            num_new_tokens: Tokens to be computed (written into KV slots) this step.
+            new_computed_blocks: Prefix-hit blocks from `get_computed_blocks`, first admission only.
+
+        Returns:
+            The table's changes, or None (and nothing changed) if too few blocks are free.
+        """
+        table = self.req_to_blocks.get(req.req_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_held = len(table) + len(new_computed_blocks)
+        num_fresh = max(0, num_required - num_held)
+        cow_indices = self._shared_write_indices(table, num_computed, num_new_tokens)
+        # Touching a free cached block takes it out of the free queue, so it cannot also count
+        # as a block available for fresh allocation.
+        num_taken_from_free = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_available = self.block_pool.get_num_free_blocks() - num_taken_from_free
+        if num_fresh + len(cow_indices) > num_available:
+            return None
+        # NOTE: touch before get_new_blocks, or the free-queue head could hand out (and evict)
+        # the very cached blocks this request is about to reuse.
+        self.block_pool.touch(new_computed_blocks)
+        table = table + list(new_computed_blocks)
+        copies = [self._copy_on_write(table, idx) for idx in cow_indices]
+        fresh_blocks = self.block_pool.get_new_blocks(num_fresh)
+        table.extend(fresh_blocks)
+        self.req_to_blocks[req.req_id] = table
+        new_block_ids = [block.block_id for block in new_computed_blocks]
+        new_block_ids += [block.block_id for block in fresh_blocks]
+        return Allocation(new_block_ids=new_block_ids, copies=copies, replaced=bool(copies))
+
+    def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Index every full block of `req` whose tokens are all computed (after a step)."""
+        if not self.enable_caching:
+            return
+        table = self.req_to_blocks.get(req.req_id)
+        if not table:
+            return
+        block_hashes = self._update_block_hashes(req)
+        num_full = min(num_computed_tokens // self.block_size, len(table), len(block_hashes))
+        start = self.num_cached_blocks.get(req.req_id, 0)
+        for block_idx in range(start, num_full):
+            self.block_pool.cache_full_block(table[block_idx], block_hashes[block_idx])
+        self.num_cached_blocks[req.req_id] = max(start, num_full)
+
+    def fork(self, parent_req: Request, children: list[Request]) -> None:
+        """Hand the parent's table to each child; every block is then shared by all children.
+
+        The parent's own reference passes to the children and its table is dropped, so each
+        block gains `len(children) - 1` references.
+        """
+        if not children:
+            raise ValueError(f"fork of {parent_req.req_id!r}: needs at least one child")
+        table = self.req_to_blocks.pop(parent_req.req_id, [])
+        block_hashes = self.req_to_block_hashes.pop(parent_req.req_id, [])
+        num_cached = self.num_cached_blocks.pop(parent_req.req_id, 0)
+        for _ in range(len(children) - 1):
+            self.block_pool.touch(table)
+        for child in children:
+            self.req_to_blocks[child.req_id] = list(table)
+            self.req_to_block_hashes[child.req_id] = list(block_hashes)
+            self.num_cached_blocks[child.req_id] = num_cached
+
+    def free(self, req: Request) -> None:
+        """Release `req`'s blocks and forget it; safe for a request that holds none.
+
+        Blocks are freed tail first: the tail is the least likely to be shared, so it should be
+        evicted before the prefix blocks other requests may hit.
+        """
+        table = self.req_to_blocks.pop(req.req_id, [])
+        self.req_to_block_hashes.pop(req.req_id, None)
+        self.num_cached_blocks.pop(req.req_id, None)
+        self.block_pool.free_blocks(reversed(table))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if refcounts, the free queue or the index are inconsistent."""
+        holders = Counter(
+            block.block_id for table in self.req_to_blocks.values() for block in table
+        )
+        queued = self.block_pool.free_block_queue.get_all_free_blocks()
+        queued_ids = {block.block_id for block in queued}
+        assert len(queued_ids) == len(queued), "a block is queued twice"
+        assert len(queued) == self.block_pool.get_num_free_blocks(), "free count is off"
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                f"held by {holders[block.block_id]} tables"
+            )
+            assert (block.ref_cnt == 0) == (block.block_id in queued_ids), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                f"{'in' if block.block_id in queued_ids else 'not in'} the free queue"
+            )
+            if block.block_hash is not None:
+                indexed = self.block_pool.get_cached_block(block.block_hash)
+                assert indexed is block, f"block {block.block_id}: hash not indexed to it"
+        for block_hash, block in self.block_pool.cached_block_hash_to_block.items():
+            assert block.block_hash == block_hash, f"index entry of block {block.block_id} stale"
+
+    def _update_block_hashes(self, req: Request) -> list[BlockHash]:
+        """Extend `req`'s stored hashes with its newly full blocks and return them."""
+        block_hashes = self.req_to_block_hashes.setdefault(req.req_id, [])
+        block_hashes.extend(
+            compute_block_hashes(req.all_token_ids, self.block_size, req.cache_salt, block_hashes)
+        )
+        return block_hashes
+
+    def _shared_write_indices(
+        self, table: list[KVCacheBlock], num_computed: int, num_new_tokens: int
+    ) -> list[int]:
+        """Indices of blocks already in `table` that this step writes into but others share."""
+        if num_new_tokens <= 0:
+            return []
+        first_idx = num_computed // self.block_size
+        last_idx = (num_computed + num_new_tokens - 1) // self.block_size
+        return [
+            idx for idx in range(first_idx, min(last_idx + 1, len(table))) if table[idx].ref_cnt > 1
+        ]
+
+    def _copy_on_write(self, table: list[KVCacheBlock], block_idx: int) -> tuple[int, int]:
+        """Swap a shared block in `table` for a private one; return the (src, dst) copy op."""
+        shared = table[block_idx]
+        (private,) = self.block_pool.get_new_blocks(1)
+        table[block_idx] = private
+        # The shared block keeps at least one other holder, so this never frees it.
+        self.block_pool.free_blocks([shared])
+        return shared.block_id, private.block_id

@@ -1,0 +1,64 @@
+"""The only types that cross from the scheduler to the workers and back.
+
+Small dataclasses of plain lists: a request's full data is sent once (`NewRequestData`), after
+that only diffs (`CachedRequestData`). No tensors and no request objects cross a process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedray.scheduler.sampling_params import SamplingParams
+
+# One sampled token's logprobs: (token ids, logprobs, rank of the sampled token).
+# Index 0 of both lists is the sampled token; the rest are the top-k in descending order.
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass
+class NewRequestData:
+    """A sequence the workers have not seen (or forgot after preemption): sent once, in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # token ids
+    output_token_ids: list[int]  # tokens already generated: a resumed or forked sequence
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table, logical block i -> physical block id
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit, fork)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for sequences the workers already hold; parallel lists indexed like `req_ids`."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)  # tokens sampled since last step
+    new_block_ids: list[list[int]] = field(default_factory=list)  # block ids appended to the table
+    num_computed_tokens: list[int] = field(default_factory=list)  # tokens with KV in the cache
+
+
+@dataclass
+class SchedulerOutput:
+    """One iteration's plan, identical for every tensor-parallel rank."""
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step (chunk, or 1)
+    total_num_scheduled_tokens: int  # tokens
+    blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src block id, dst block id), run first
+    finished_req_ids: list[str]  # sequences the workers drop: finished, aborted, preempted, forked
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0 and not self.blocks_to_copy
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What rank 0 returns after a step: the tokens sampled for sequences that reached their end."""
+
+    step_id: int
+    req_ids: list[str]  # sequences that sampled this step (prefill chunks mid-prompt do not)
+    sampled_token_ids: list[list[int]]  # per req: one token, or n at the step a prompt forks
+    logprobs: list[list[TokenLogprobs] | None]  # per req: one entry per sampled token, if asked

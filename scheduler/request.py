@@ -1,0 +1,132 @@
+"""A sequence the scheduler schedules: its tokens, progress through the KV cache, and status.
+
+`n > 1` prompts are one `Request` until their prefill completes; then they fork into n child
+requests that share the prompt's blocks (see `KVCacheManager.fork`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from pagedray.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its blocks freed; it will be recomputed
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"  # the client went away or asked to cancel
+    FINISHED_FORKED = "forked"  # an n > 1 prompt that handed its blocks to its children
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished and self is not RequestStatus.FINISHED_FORKED else None
+
+
+@dataclass
+class EngineRequest:
+    """What a front end submits: a tokenized prompt and how to sample it."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # token ids
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0  # seconds, time.time(); 0 = now
+    priority: int = 0  # lower runs first under the "priority" policy
+    cache_salt: str | None = None  # per-tenant isolation of the prefix cache
+
+
+class Request:
+    """Scheduler-side state of one sequence."""
+
+    def __init__(
+        self,
+        engine_request: EngineRequest,
+        eos_token_id: int | None = None,
+        parent_req_id: str | None = None,
+        choice_index: int = 0,
+    ) -> None:
+        self.req_id = engine_request.req_id
+        self.prompt_token_ids = list(engine_request.prompt_token_ids)
+        self.sampling_params = engine_request.sampling_params
+        self.arrival_time = engine_request.arrival_time or time.time()
+        self.priority = engine_request.priority
+        self.cache_salt = engine_request.cache_salt
+        self.eos_token_id = eos_token_id
+        self.parent_req_id = parent_req_id  # set on forked children
+        self.choice_index = choice_index  # which of the parent's n outputs this is
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # first admission, for queue-time metrics
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def fork_child(self, choice_index: int) -> Request:
+        """A child sequence that continues this prompt; it shares the prompt's computed KV."""
+        params = self.sampling_params.clone(n=1, seed=_child_seed(self.sampling_params.seed, choice_index))
+        child = Request(
+            EngineRequest(
+                req_id=child_req_id(self.req_id, choice_index),
+                prompt_token_ids=self.prompt_token_ids,
+                sampling_params=params,
+                arrival_time=self.arrival_time,
+                priority=self.priority,
+                cache_salt=self.cache_salt,
+            ),
+            eos_token_id=self.eos_token_id,
+            parent_req_id=self.req_id,
+            choice_index=choice_index,
+        )
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.scheduled_time = self.scheduled_time
+        child.first_token_time = self.first_token_time
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )
+
+
+def child_req_id(req_id: str, choice_index: int) -> str:
+    """The scheduler's id for output `choice_index` of a forked n > 1 request."""
+    return f"{req_id}#{choice_index}"
+
+
+def _child_seed(seed: int | None, choice_index: int) -> int | None:
+    """A distinct, reproducible seed per child so seeded n > 1 requests repeat exactly."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + choice_index + 1) % (2**63)

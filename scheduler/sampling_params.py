@@ -1,0 +1,115 @@
+"""Per-request sampling parameters, validated once at the edge so the engine never sees bad values.
+
+Mirrors vLLM's `SamplingParams` field names so users can switch without edits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Temperatures below this are treated as greedy (argmax), as vLLM does.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Validation happens in `__post_init__`; a bad field raises `ValueError` naming the field and
+    its limit, before anything is queued or allocated.
+    """
+
+    n: int = 1  # parallel samples of one prompt; they share the prompt's KV blocks (copy-on-write)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = _normalize_stop(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        if self.logprobs is not None:
+            _check(
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+def _normalize_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise ValueError(f"stop: must be a string or a list of strings, got {type(stop).__name__}")
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: {message}")

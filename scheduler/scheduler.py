@@ -1,0 +1,325 @@
+"""Continuous batching: every step, decide which tokens of which sequences the workers compute.
+
+Running sequences go first (decodes and unfinished prefill chunks), then waiting ones are admitted
+while the token budget, `max_num_seqs` and free blocks allow. When blocks run out the newest
+running sequence is preempted (freed, later recomputed). Plain Python: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Iterable
+
+from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
+from pagedray.scheduler.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedray.scheduler.outputs import EngineCoreOutput
+from pagedray.scheduler.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and, through `KVCacheManager`, every block table."""
+
+    def __init__(
+        self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: Iterable[int] = ()
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        # NOTE: a sequence longer than the whole pool could never be scheduled again after a
+        # preemption, so the usable model length is capped by the pool.
+        self.max_model_len = min(config.max_model_len, num_kv_blocks * config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _queue_key
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.children: dict[str, list[str]] = {}  # forked parent req_id -> child req_ids
+        self._queue_keys: dict[str, tuple[int, float, int]] = {}
+        self._arrival_counter = itertools.count()
+        # How many of each sequence's tokens the workers hold; absent = workers do not know it.
+        self._num_tokens_sent: dict[str, int] = {}
+        self._finished_for_workers: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+        self.peak_num_running = 0
+        self.peak_kv_usage = 0.0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request; raises ValueError if it can never fit."""
+        if req.req_id in self.requests or req.req_id in self.children:
+            raise ValueError(f"request_id: {req.req_id!r} is already in use")
+        if req.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt: {req.num_tokens} tokens exceed max_model_len={self.max_model_len}"
+            )
+        if self.config.max_num_waiting is not None and len(self.waiting) >= self.config.max_num_waiting:
+            raise OverflowError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
+        self.requests[req.req_id] = req
+        priority = req.priority if self.config.policy == "priority" else 0
+        self._queue_keys[req.req_id] = (priority, req.arrival_time, next(self._arrival_counter))
+        self._enqueue(req)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, or a stop string found by the detokenizer).
+
+        A forked request's id ends all of its children. Blocks are freed at once.
+        """
+        for req_id in req_ids:
+            for seq_id in self.children.get(req_id, [req_id]):
+                req = self.requests.get(seq_id)
+                if req is not None and not req.is_finished:
+                    self._finish(req, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. Running sequences first, then admissions; preempt when blocks run out."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        copies: list[tuple[int, int]] = []
+        preempted = False
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            allocation = self.kv_cache_manager.allocate_slots(req, num_new)
+            while allocation is None:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                allocation = self.kv_cache_manager.allocate_slots(req, num_new)
+            if allocation is None:
+                break  # req preempted itself; everything after it was already preempted
+            self._emit(req, allocation, new_reqs, cached)
+            copies.extend(allocation.copies)
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+            idx += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached, copies)
+
+        output = SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            blocks_to_copy=copies,
+            finished_req_ids=self._finished_for_workers,
+        )
+        self._finished_for_workers = []
+        self._step_id += 1
+        for req_id, num_new in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num_new
+        self.peak_num_running = max(self.peak_num_running, len(self.running))
+        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
+        return output
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+        copies: list[tuple[int, int]],
+    ) -> int:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            num_seqs = req.sampling_params.n if req.parent_req_id is None and not req.output_token_ids else 1
+            if self.running and len(self.running) + num_seqs > self.config.max_num_seqs:
+                break
+            computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            allocation = self.kv_cache_manager.allocate_slots(req, num_new, computed_blocks)
+            if allocation is None:
+                break
+            self.waiting.pop(0)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self._add_running(req)
+            self._emit(req, allocation, new_reqs, cached)
+            copies.extend(allocation.copies)
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _emit(
+        self,
+        req: Request,
+        allocation: Allocation,
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+    ) -> None:
+        """Describe a scheduled sequence to the workers: in full the first time, then as a diff."""
+        sent = self._num_tokens_sent.get(req.req_id)
+        if sent is None or allocation.replaced:
+            if sent is not None:
+                self._finished_for_workers.append(req.req_id)  # table rewritten: resend whole
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+        else:
+            cached.req_ids.append(req.req_id)
+            cached.new_token_ids.append(req.all_token_ids[sent:])
+            cached.new_block_ids.append(allocation.new_block_ids)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+        self._num_tokens_sent[req.req_id] = req.num_tokens
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply sampled tokens: fork n > 1 prompts, check stop conditions, free finished blocks."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is not None and not req.is_finished:
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        for req_id, token_ids, logprobs in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
+        ):
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished or req.num_computed_tokens < req.num_tokens:
+                continue  # aborted meanwhile, or preempted and reset
+            if req.sampling_params.n > 1 and req.parent_req_id is None:
+                outputs.extend(self._fork(req, token_ids, logprobs))
+            else:
+                outputs.append(self._append(req, token_ids, logprobs))
+        return outputs
+
+    def _append(self, req: Request, token_ids: list[int], logprobs: list | None) -> EngineCoreOutput:
+        req.append_output_token_ids(token_ids)
+        status = self._stop_status(req)
+        if status is not None:
+            self._finish(req, status)
+        return EngineCoreOutput(
+            req_id=req.parent_req_id or req.req_id,
+            choice_index=req.choice_index,
+            new_token_ids=token_ids,
+            new_logprobs=logprobs,
+            finish_reason=status.finish_reason if status else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+
+    def _fork(self, parent: Request, token_ids: list[int], logprobs: list | None) -> list[EngineCoreOutput]:
+        """Split a prefilled n > 1 prompt into n sequences sharing its blocks."""
+        children = [parent.fork_child(i) for i in range(len(token_ids))]
+        self.kv_cache_manager.fork(parent, children)
+        parent.status = RequestStatus.FINISHED_FORKED
+        del self.requests[parent.req_id]
+        self._forget_sent(parent.req_id)
+        self.children[parent.req_id] = [child.req_id for child in children]
+        pos = self.running.index(parent)
+        self.running[pos : pos + 1] = children
+        outputs = []
+        for i, child in enumerate(children):
+            self.requests[child.req_id] = child
+            child.status = RequestStatus.RUNNING
+            outputs.append(self._append(child, [token_ids[i]], [logprobs[i]] if logprobs else None))
+        return outputs
+
+    def _stop_status(self, req: Request) -> RequestStatus | None:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if (last in self.eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv_cache_manager.free(req)
+        self._forget_sent(req.req_id)
+        del self.requests[req.req_id]
+        self._queue_keys.pop(req.req_id, None)
+        parent_id = req.parent_req_id
+        if parent_id is not None and all(
+            child_id not in self.requests for child_id in self.children.get(parent_id, [])
+        ):
+            self.children.pop(parent_id, None)
+
+    def _forget_sent(self, req_id: str) -> None:
+        if self._num_tokens_sent.pop(req_id, None) is not None:
+            self._finished_for_workers.append(req_id)
+
+    def _pick_victim(self) -> Request:
+        # NOTE: running is kept in victim order (newest, or lowest priority, last), so the victim
+        # is never a sequence already scheduled earlier in this step.
+        return self.running[-1]
+
+    def _add_running(self, req: Request) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.running, req, key=self._queue_key)
+        else:
+            self.running.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        self._forget_sent(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=self._queue_key)
+
+    def _queue_key(self, req: Request) -> tuple[int, float, int]:
+        if req.req_id not in self._queue_keys:  # forked children inherit their parent's place
+            parent_key = self._queue_keys.get(req.parent_req_id or "", (0, req.arrival_time, 0))
+            self._queue_keys[req.req_id] = (parent_key[0], parent_key[1], parent_key[2])
+        return self._queue_keys[req.req_id]
+
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache_manager
+        return {
+            "num_kv_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "kv_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "peak_num_running": self.peak_num_running,
+            "peak_kv_usage": self.peak_kv_usage,
+        }

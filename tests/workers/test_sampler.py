@@ -1,0 +1,219 @@
+"""Sampler semantics on CPU: greedy paths, seeded reproducibility, filters, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_min_tokens,
+    apply_penalties,
+)
+
+EOS = 7
+VOCAB = 16
+
+
+def make_sampler(seed: int = 0) -> Sampler:
+    return Sampler(eos_token_ids=(EOS,), default_generator=torch.Generator().manual_seed(seed))
+
+
+def row(
+    seed: int | None = None,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    num_samples: int = 1,
+    **params: object,
+) -> SamplingRow:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(
+        params=SamplingParams(seed=seed, **params),  # type: ignore[arg-type]
+        generator=generator,
+        prompt_token_ids=prompt if prompt is not None else [1, 2, 3],
+        output_token_ids=output if output is not None else [],
+        num_samples=num_samples,
+    )
+
+
+def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def tokens(sampled: list) -> list[list[int]]:
+    return [s.token_ids for s in sampled]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits(5)  # [5, VOCAB]
+    out = make_sampler()(logits, [row(temperature=0.0) for _ in range(5)])
+    assert tokens(out) == [[t] for t in logits.argmax(dim=-1).tolist()]
+    assert all(s.logprobs is None for s in out)
+
+
+def test_batch_greedy_fast_path_equals_per_row_and_general_path() -> None:
+    logits = random_logits(8)
+    original = logits.clone()
+    sampler = make_sampler()
+    batch = tokens(sampler(logits, [row(temperature=0.0) for _ in range(8)]))
+    per_row = [sampler(logits[i : i + 1], [row(temperature=0.0)])[0].token_ids for i in range(8)]
+    assert batch == per_row
+    # A no-op penalty (no output tokens yet) forces the general path for the whole batch.
+    rows = [row(temperature=0.0) for _ in range(7)] + [row(temperature=0.0, presence_penalty=1.0)]
+    assert tokens(sampler(logits, rows)) == batch
+    assert torch.equal(logits, original)  # the sampler never mutates its input
+
+
+def test_seeded_rows_independent_of_batch_composition() -> None:
+    logits = random_logits(4, vocab=64)
+    target = logits[2:3]
+    alone = make_sampler(0)(target, [row(seed=1234, num_samples=16, top_p=0.9)])
+    others = [
+        row(temperature=0.7, top_k=5),
+        row(temperature=0.0),
+        row(seed=1234, num_samples=16, top_p=0.9),
+        row(temperature=1.3, min_p=0.1, num_samples=3),
+    ]
+    mixed = make_sampler(99)(logits, others)
+    assert mixed[2].token_ids == alone[0].token_ids
+    assert len(set(alone[0].token_ids)) > 1  # really sampled, not collapsed to one token
+    other_seed = make_sampler(0)(target, [row(seed=4321, num_samples=16, top_p=0.9)])
+    assert other_seed[0].token_ids != alone[0].token_ids
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    logits = random_logits(6, seed=3)
+    expected = [[t] * 4 for t in logits.argmax(dim=-1).tolist()]
+    sampler = make_sampler()
+    assert tokens(sampler(logits, [row(top_k=1, num_samples=4) for _ in range(6)])) == expected
+    assert tokens(sampler(logits, [row(top_p=1e-6, num_samples=4) for _ in range(6)])) == expected
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    out = make_sampler()(logits, [row(seed=0, top_p=0.8, num_samples=2000)])
+    assert set(out[0].token_ids) == {0, 1}  # 0.5 + 0.3 reaches 0.8
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = make_sampler()(probs.log(), [row(seed=0, min_p=0.5, num_samples=2000)])
+    assert set(out[0].token_ids) == {0, 1}  # 0.15 and 0.05 are below 0.5 * 0.5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
+def test_temperature_distribution(temperature: float) -> None:
+    base = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    expected = base ** (1.0 / temperature)
+    expected = expected / expected.sum()
+    num = 20000
+    out = make_sampler()(
+        base.log().unsqueeze(0), [row(seed=7, temperature=temperature, num_samples=num)]
+    )
+    counts = torch.bincount(torch.tensor(out[0].token_ids), minlength=4).float()
+    chi_square = (((counts - num * expected) ** 2) / (num * expected)).sum().item()
+    assert chi_square < 25.0  # df = 3: p < 1e-4 for a correct sampler
+
+
+def test_unseeded_rows_use_default_generator() -> None:
+    logits = random_logits(3, vocab=64)
+    rows = [row(num_samples=8) for _ in range(3)]
+    first = tokens(make_sampler(5)(logits, rows))
+    assert first == tokens(make_sampler(5)(logits, rows))
+    assert first != tokens(make_sampler(6)(logits, rows))
+
+
+def test_penalties_change_logits_exactly() -> None:
+    raw = [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]
+    logits = torch.tensor([raw, raw])
+    rows = [
+        # prompt has 0 and 4; output has 1 twice and 2 once
+        row(prompt=[0, 4], output=[1, 1, 2], repetition_penalty=2.0),
+        row(prompt=[0, 4], output=[1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25),
+    ]
+    apply_penalties(logits, rows)
+    # HF repetition over prompt + output: positive / p, negative * p; 3 and 5 were never seen
+    assert logits[0].tolist() == [1.0, -2.0, 0.25, 3.0, -4.0, 1.0]
+    # OpenAI over output only: -= presence * seen + frequency * count
+    assert logits[1].tolist() == [2.0, -1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25, 3.0, -2.0, 1.0]
+
+
+def test_rows_without_penalties_untouched() -> None:
+    logits = random_logits(2)
+    original = logits.clone()
+    apply_penalties(logits, [row(output=[1, 2]), row(output=[3], frequency_penalty=1.0)])
+    assert torch.equal(logits[0], original[0])
+    assert logits[1, 3].item() == pytest.approx(original[1, 3].item() - 1.0)
+
+
+def test_repetition_penalty_changes_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
+    sampler = make_sampler()
+    assert tokens(sampler(logits, [row(temperature=0.0, output=[1])])) == [[1]]
+    rows = [row(temperature=0.0, prompt=[0], output=[1], repetition_penalty=2.0)]
+    assert tokens(sampler(logits, rows)) == [[2]]
+
+
+def test_min_tokens_blocks_eos_and_stop_token_ids() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS] = 10.0
+    logits[0, 3] = 9.0  # a stop token id
+    logits[0, 5] = 8.0
+    sampler = make_sampler()
+    short = row(temperature=0.0, min_tokens=2, output=[1], stop_token_ids=[3])
+    assert tokens(sampler(logits, [short])) == [[5]]
+    done = row(temperature=0.0, min_tokens=2, output=[1, 1], stop_token_ids=[3])
+    assert tokens(sampler(logits, [done])) == [[EOS]]
+    sampled = row(seed=0, min_tokens=2, stop_token_ids=[3, 10_000], num_samples=500)
+    assert not {EOS, 3} & set(sampler(torch.zeros(1, VOCAB), [sampled])[0].token_ids)
+
+
+def test_ignore_eos_leaves_eos_unmasked() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS] = 10.0
+    logits[0, 3] = 9.0
+    rows = [row(temperature=0.0, min_tokens=4, ignore_eos=True, stop_token_ids=[3])]
+    assert tokens(make_sampler()(logits, rows)) == [[EOS]]
+    masked = logits.clone()
+    apply_min_tokens(masked, rows, (EOS,))
+    assert masked[0, EOS].item() == 10.0 and masked[0, 3].item() == -math.inf
+
+
+def test_logprobs_come_from_raw_logits() -> None:
+    logits = random_logits(3, seed=11)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    rows = [
+        row(seed=3, logprobs=4, output=[0, 1, 2], repetition_penalty=1.5, temperature=0.8),
+        row(temperature=0.0),
+        row(temperature=0.0, logprobs=0),
+    ]
+    out = make_sampler()(logits, rows)
+    assert out[1].logprobs is None
+    ids, values, rank = out[0].logprobs[0]
+    sampled = out[0].token_ids[0]
+    assert ids[0] == sampled and len(ids) == len(values) == 5
+    assert values[0] == pytest.approx(raw_logprobs[0, sampled].item(), abs=1e-6)
+    assert rank == int((raw_logprobs[0] > raw_logprobs[0, sampled]).sum()) + 1
+    expected_top = raw_logprobs[0].topk(4)
+    assert ids[1:] == expected_top.indices.tolist()
+    assert values[1:] == pytest.approx(expected_top.values.tolist(), abs=1e-6)
+    assert values[1:] == sorted(values[1:], reverse=True)
+    assert out[2].logprobs == [
+        ([out[2].token_ids[0]], [pytest.approx(raw_logprobs[2].max().item(), abs=1e-6)], 1)
+    ]
+
+
+def test_num_samples_returns_that_many_tokens() -> None:
+    logits = random_logits(2, vocab=64, seed=5)
+    rows = [row(seed=1, num_samples=4, logprobs=2), row(temperature=0.0, num_samples=4)]
+    out = make_sampler()(logits, rows)
+    assert len(out[0].token_ids) == 4 and len(out[0].logprobs) == 4
+    assert [lp[0][0] for lp in out[0].logprobs] == out[0].token_ids
+    assert out[1].token_ids == [int(logits[1].argmax())] * 4
+    # the fast path repeats the argmax too
+    fast = make_sampler()(logits, [row(temperature=0.0, num_samples=4, logprobs=1)] * 2)
+    assert tokens(fast) == [[int(t)] * 4 for t in logits.argmax(dim=-1)]
+    assert all(lp[2] == 1 for lp in fast[0].logprobs)

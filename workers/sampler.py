@@ -1,0 +1,269 @@
+"""Turns one step's last-position logits into next tokens, with vLLM's sampling semantics.
+
+Greedy batches without penalties take a single batched argmax (the common case, every step); the
+general path applies min_tokens masking, penalties, temperature, top-k/top-p/min-p as per-row
+tensors over the whole batch, so per-row Python work stays limited to building those tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from pagedray.scheduler.messages import TokenLogprobs
+from pagedray.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample for this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request generator (seeded); None: the default one
+    prompt_token_ids: list[int]  # token ids
+    output_token_ids: list[int]  # token ids generated so far
+    num_samples: int = 1  # params.n at the step an n > 1 prompt forks, else 1
+
+
+@dataclass
+class SampledRow:
+    """What one row sampled."""
+
+    token_ids: list[int]  # num_samples token ids
+    logprobs: list[TokenLogprobs] | None  # one per sampled token when params.logprobs is not None
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]
+) -> None:
+    """Masks EOS and stop tokens with -inf, in place, for rows still short of min_tokens."""
+    vocab_size = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    for i, row in enumerate(rows):
+        for token_id in _banned_token_ids(row, eos_token_ids):
+            # NOTE: user stop ids beyond the vocabulary can never be sampled; skip, don't crash.
+            if token_id < vocab_size:
+                row_idx.append(i)
+                token_idx.append(token_id)
+    if row_idx:
+        device = logits.device
+        index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Applies repetition (HF), then frequency and presence (OpenAI) penalties, in place.
+
+    Args:
+        logits: [num_rows, vocab_size] float32, one row per entry of `rows`.
+        rows: the rows; those without penalties are left untouched.
+    """
+    penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
+    if not penalized:
+        return
+    sub_rows = [rows[i] for i in penalized]
+    device = logits.device
+    index = torch.tensor(penalized, device=device)
+    sub = logits.index_select(0, index)  # [num_penalized, vocab_size]
+    output_counts = _token_counts([r.output_token_ids for r in sub_rows], sub)  # like sub
+    output_seen = output_counts > 0
+    repetition = [r.params.repetition_penalty for r in sub_rows]
+    if any(p != 1.0 for p in repetition):
+        # HF semantics: over prompt and output tokens; shrink positive logits, grow negative ones.
+        seen = output_seen | (_token_counts([r.prompt_token_ids for r in sub_rows], sub) > 0)
+        penalty = torch.tensor(repetition, device=device).unsqueeze(1)  # [num_penalized, 1]
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    frequency = torch.tensor([r.params.frequency_penalty for r in sub_rows], device=device)
+    presence = torch.tensor([r.params.presence_penalty for r in sub_rows], device=device)
+    sub = sub - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * output_seen
+    logits.index_copy_(0, index, sub)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Keeps each row's top_k tokens, then the smallest set whose probability reaches top_p.
+
+    Args:
+        logits: [num_rows, vocab_size] float32, already divided by temperature.
+        top_k: [num_rows] int64, 0 = off.
+        top_p: [num_rows] float32 in (0, 1], 1 = off.
+    Returns:
+        [num_rows, vocab_size] logits with dropped tokens at -inf.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [num_rows, vocab_size]
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab_size]
+    k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)  # [num_rows, 1]
+    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # A token stays while the mass strictly before it is below top_p, so the top token always
+    # stays. Rows at top_p = 1 skip this: rounding could push the exclusive cumsum to 1.0.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+class Sampler:
+    """Samples next tokens for a batch of rows; holds no per-request state."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...], default_generator: torch.Generator):
+        self.eos_token_ids = eos_token_ids
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
+        """Samples `row.num_samples` tokens per row.
+
+        Args:
+            logits: [num_rows, vocab_size] float32, the last position of each row.
+            rows: one per logits row, same order.
+        Returns:
+            One `SampledRow` per row, with logprobs (from the raw logits) where asked.
+        """
+        assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if all(self._is_plain_greedy(row) for row in rows):
+            argmax = logits.argmax(dim=-1).tolist()  # [num_rows]
+            samples = [[token_id] * row.num_samples for token_id, row in zip(argmax, rows)]
+        else:
+            samples = self._sample(logits, rows)
+        logprobs = _compute_logprobs(logits, rows, samples)
+        return [SampledRow(s, lp) for s, lp in zip(samples, logprobs)]
+
+    def _is_plain_greedy(self, row: SamplingRow) -> bool:
+        params = row.params
+        return (
+            params.greedy
+            and not has_penalties(params)
+            and not _banned_token_ids(row, self.eos_token_ids)
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+        logits = logits.clone()  # the raw logits stay intact for logprobs
+        apply_min_tokens(logits, rows, self.eos_token_ids)
+        apply_penalties(logits, rows)
+        samples: list[list[int]] = [[] for _ in rows]
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            argmax = logits.index_select(0, index).argmax(dim=-1).tolist()  # [num_greedy]
+            for i, token_id in zip(greedy, argmax):
+                samples[i] = [token_id] * rows[i].num_samples
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random:
+            index = torch.tensor(random, device=logits.device)
+            drawn = self._sample_random(logits.index_select(0, index), [rows[i] for i in random])
+            for i, token_ids in zip(random, drawn):
+                samples[i] = token_ids
+        return samples
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+        # logits: [num_random, vocab_size], penalties applied
+        device = logits.device
+        params = [row.params for row in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        logits = logits / temperature.unsqueeze(1)
+        vocab_size = logits.shape[1]
+        if any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # [num_random, vocab_size]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [num_random, 1]
+            # multinomial takes unnormalized weights, so zeroing is enough
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return self._draw(probs, rows)
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+        # probs: [num_random, vocab_size] nonnegative weights
+        samples: list[list[int]] = [[] for _ in rows]
+        unseeded: dict[int, list[int]] = {}  # num_samples -> positions in rows
+        for i, row in enumerate(rows):
+            if row.generator is None:
+                unseeded.setdefault(row.num_samples, []).append(i)
+                continue
+            # One call per seeded row: its draw depends only on its own generator and its own
+            # probabilities, never on which other rows share the batch.
+            samples[i] = torch.multinomial(
+                probs[i], row.num_samples, replacement=True, generator=row.generator
+            ).tolist()
+        for num_samples, positions in unseeded.items():
+            group = probs
+            if len(positions) < len(rows):
+                group = probs.index_select(0, torch.tensor(positions, device=probs.device))
+            drawn = torch.multinomial(
+                group, num_samples, replacement=True, generator=self.default_generator
+            ).tolist()  # [len(positions), num_samples]
+            for i, token_ids in zip(positions, drawn):
+                samples[i] = token_ids
+        return samples
+
+
+def _banned_token_ids(row: SamplingRow, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Token ids masked this step because the row has not reached min_tokens."""
+    params = row.params
+    if len(row.output_token_ids) >= params.min_tokens:
+        return []
+    banned = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.extend(eos_token_ids)
+    return banned
+
+
+def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """Per-row token occurrence counts, float32, shaped like `like` [num_rows, vocab_size]."""
+    device = like.device
+    counts = torch.zeros_like(like)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    token_idx = torch.tensor(
+        list(chain.from_iterable(token_lists)), dtype=torch.long, device=device
+    )
+    counts.index_put_((row_idx, token_idx), torch.ones_like(token_idx, dtype=like.dtype), True)
+    return counts
+
+
+def _compute_logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], samples: list[list[int]]
+) -> list[list[TokenLogprobs] | None]:
+    """Logprobs of the sampled tokens and the top-k, from the raw logits (vLLM V1's default)."""
+    result: list[list[TokenLogprobs] | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return result
+    device = logits.device
+    logprobs = logits.index_select(0, torch.tensor(wanted, device=device)).float()
+    logprobs = logprobs.log_softmax(dim=-1)  # [num_wanted, vocab_size]
+    # one entry per sampled token: a forking row contributes num_samples entries
+    owner = [j for j, i in enumerate(wanted) for _ in samples[i]]
+    owner_idx = torch.tensor(owner, device=device)
+    sampled = torch.tensor([t for i in wanted for t in samples[i]], device=device)
+    sampled_logprobs = logprobs[owner_idx, sampled]  # [num_entries]
+    per_entry = logprobs if len(owner) == len(wanted) else logprobs.index_select(0, owner_idx)
+    # rank 1 = most likely; ties with the sampled token do not push it down
+    ranks = (per_entry > sampled_logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [num_entries]
+    max_k = max(rows[i].params.logprobs or 0 for i in wanted)
+    top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)  # [num_wanted, max_k]
+    top_logprobs_list, top_ids_list = top_logprobs.tolist(), top_ids.tolist()
+    entries = zip(owner, sampled.tolist(), sampled_logprobs.tolist(), ranks.tolist())
+    for j, token_id, token_logprob, rank in entries:
+        k = rows[wanted[j]].params.logprobs or 0
+        ids = [token_id] + top_ids_list[j][:k]
+        values = [token_logprob] + top_logprobs_list[j][:k]
+        row_logprobs = result[wanted[j]]
+        if row_logprobs is None:
+            row_logprobs = result[wanted[j]] = []
+        row_logprobs.append((ids, values, rank))
+    return result
