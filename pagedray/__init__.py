@@ -1,4 +1,4 @@
-"""pagedray: PagedAttention serving with prefix caching, copy-on-write sampling and continuous batching."""
+"""pagedray: paged KV cache, prefix caching, copy-on-write sampling, continuous batching."""
 
 from __future__ import annotations
 

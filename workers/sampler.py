@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+
 from pagedray.scheduler.messages import TokenLogprobs
 from pagedray.scheduler.sampling_params import SamplingParams
 

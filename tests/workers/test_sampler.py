@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.sampler import (
     Sampler,

@@ -1,0 +1,46 @@
+"""Incremental detokenization: text deltas as tokens arrive, never a half-decoded character.
+
+Decodes a short sliding window instead of the whole output each step (vLLM's prefix/read offsets):
+the window's earlier tokens give the tokenizer the context that decides leading spaces, and a
+delta ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as decoding context for the first output tokens.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.num_context = len(self.token_ids)
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Add tokens; return the text they complete (may be empty)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+    def full_text(self, drop_last: int = 0) -> str:
+        """All output tokens decoded at once (the exact final text), less `drop_last` tokens."""
+        end = len(self.token_ids) - drop_last
+        return self._decode(self.token_ids[self.num_context : end])
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

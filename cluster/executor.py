@@ -1,0 +1,28 @@
+"""Executors run one step on every tensor-parallel rank and hand back rank 0's output.
+
+`UniProcExecutor` keeps the single rank in this process (the offline `LLM` at TP=1); the Ray
+executors in `ray_executor.py` drive worker actors.
+"""
+
+from __future__ import annotations
+
+from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.workers.worker import Worker
+from pagedray.workers.worker_config import WorkerConfig
+
+
+class UniProcExecutor:
+    """One in-process worker: no serialization, no dispatch cost."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: the in-process executor runs exactly 1 rank")
+        self.worker = Worker(config)
+        self.num_kv_blocks = self.worker.determine_num_kv_blocks()
+        self.worker.init_kv_cache(self.num_kv_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.runner = None

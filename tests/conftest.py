@@ -1,0 +1,27 @@
+"""Shared fixtures: seeded tiny checkpoints built once per session, offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# NOTE: two processes each running 2 OpenMP threads on 2 cores slow matmuls by 10x or more;
+# the test process keeps to what it owns, spawned workers set their own.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from pagedray.cluster.default_model import ARCHS  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from pagedray.cluster.default_model import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_model(root / arch, arch=arch, preset="tiny", seed=0)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, str]) -> str:
+    return tiny_models["llama"]

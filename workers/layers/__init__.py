@@ -1,0 +1,1 @@
+"""pagedray.workers.layers."""

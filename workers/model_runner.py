@@ -1,0 +1,137 @@
+"""Turns one `SchedulerOutput` into a forward pass over the paged KV cache and sampled tokens.
+
+The runner applies the plan's diffs to its persistent batch, runs copy-on-write block copies,
+builds flat inputs for a ragged batch (prefill chunks and decodes together), runs the model and,
+on rank 0, samples the sequences whose every token is now computed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedray.attention.backend import AttentionBackend
+from pagedray.attention.metadata import AttentionMetadata
+from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.workers.input_batch import InputBatch
+from pagedray.workers.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    """Owns the persistent batch and one rank's KV cache; stateless between steps otherwise."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        attention: AttentionBackend,
+        sampler: Sampler | None,  # None on ranks other than 0
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.sampler = sampler
+        self.device = device
+        self.block_size = kv_cache.shape[3]
+        self.batch = InputBatch(max_num_seqs, max_model_len, self.block_size)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.blocks_to_copy:
+            src, dst = zip(*scheduler_output.blocks_to_copy)
+            self.attention.copy_blocks(self.kv_cache, list(src), list(dst))
+        empty = ModelRunnerOutput(scheduler_output.step_id, [], [], [])
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return empty
+        input_ids, positions, metadata, sample_idx, sample_req_ids = self._prepare_inputs(
+            scheduler_output
+        )
+        hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # [num_tokens, hidden]
+        if not sample_req_ids:
+            return empty
+        logits = self.model.compute_logits(hidden[sample_idx])  # [num_samples, vocab]
+        if self.sampler is None:
+            return empty
+        rows = [self._sampling_row(req_id) for req_id in sample_req_ids]
+        sampled = self.sampler(logits, rows)
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id,
+            req_ids=sample_req_ids,
+            sampled_token_ids=[row.token_ids for row in sampled],
+            logprobs=[row.logprobs for row in sampled],
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.batch.remove(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.batch.add(new)
+        self.batch.update(scheduler_output.scheduled_cached_reqs)
+
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[str]]:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        states = [self.batch.requests[req_id] for req_id in req_ids]
+        num_scheduled = np.fromiter(
+            scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
+        )
+        num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        num_tokens = np.array([s.num_tokens for s in states], dtype=np.int64)
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        query_end = np.cumsum(num_scheduled)  # [num_seqs]
+        query_start = query_end - num_scheduled
+        total = int(query_end[-1])
+        # Each token's absolute position: its offset in the step's flat batch, shifted per seq.
+        token_seq = np.repeat(np.arange(len(req_ids)), num_scheduled)  # [num_tokens]
+        positions = np.arange(total) + (num_computed - query_start)[token_seq]  # [num_tokens]
+        token_rows = rows[token_seq]
+        input_ids = self.batch.token_ids[token_rows, positions]
+        block_ids = self.batch.block_table[token_rows, positions // self.block_size]
+        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = num_computed + num_scheduled  # [num_seqs]
+        max_seq_len = int(seq_lens.max())
+        max_blocks = -(-max_seq_len // self.block_size)
+        done = seq_lens >= num_tokens  # every token computed: sample the next one
+        sample_idx = query_end[done] - 1
+        sample_req_ids = [req_ids[i] for i in np.flatnonzero(done)]
+        query_start_loc = np.concatenate([[0], query_end])
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(
+                np.ascontiguousarray(self.batch.block_table[rows, :max_blocks])
+            ),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return (
+            self._to_device(input_ids),
+            self._to_device(positions),
+            metadata,
+            self._to_device(sample_idx),
+            sample_req_ids,
+        )
+
+    def _sampling_row(self, req_id: str) -> SamplingRow:
+        state = self.batch.requests[req_id]
+        params = state.sampling_params
+        # An n > 1 prompt samples all n first tokens from its one prefill, then forks.
+        num_samples = params.n if not state.output_token_ids else 1
+        return SamplingRow(
+            params=params,
+            generator=state.generator,
+            prompt_token_ids=state.prompt_token_ids,
+            output_token_ids=state.output_token_ids,
+            num_samples=num_samples,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)

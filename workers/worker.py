@@ -1,0 +1,117 @@
+"""One tensor-parallel rank: its weight shard, its KV pool shard and the model runner.
+
+A plain class, so it runs in-process (TP=1 offline) or inside a Ray actor (cluster/); either
+way the scheduler reaches it only through `SchedulerOutput` and gets `ModelRunnerOutput` back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedray.attention.backend import select_backend
+from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.workers.model_config import ModelConfig
+from pagedray.workers.model_runner import ModelRunner
+from pagedray.workers.models.llama import LlamaForCausalLM
+from pagedray.workers.parallel_state import TensorParallelGroup, init_tensor_parallel
+from pagedray.workers.sampler import Sampler
+from pagedray.workers.weight_loader import load_weights
+from pagedray.workers.worker_config import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
+
+
+class Worker:
+    """Loads a shard, sizes and allocates the KV pool, and executes steps."""
+
+    def __init__(self, config: WorkerConfig, rank: int = 0, init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _pick_device(config.device, rank)
+        self.model_config = ModelConfig.from_pretrained(config.model, config.dtype)
+        if config.tensor_parallel_size > 1:
+            assert init_method is not None, "tensor parallelism needs a rendezvous address"
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.tp = init_tensor_parallel(rank, config.tensor_parallel_size, init_method, backend)
+        else:
+            self.tp = TensorParallelGroup(rank=0, world_size=1, group=None)
+        self.attention = select_backend(self.device)
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.model_config, self.tp, self.attention)
+        self.model.to(dtype=self.model_config.dtype)
+        load_weights(self.model, config.model)
+        self.model.eval()
+        self.runner: ModelRunner | None = None
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return max(1, self.model_config.num_key_value_heads // self.config.tensor_parallel_size)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block on this rank, over all layers, K and V."""
+        mc = self.model_config
+        elem = torch.tensor([], dtype=mc.dtype).element_size()
+        per_token = 2 * mc.num_hidden_layers * self.num_kv_heads_per_rank * mc.head_dim * elem
+        return per_token * self.config.block_size
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many blocks fit this rank's budget; the cluster takes the minimum over ranks."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_gb is not None:
+            budget = int(cfg.kv_cache_memory_gb * 1024**3)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        else:
+            blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+            enough = cfg.max_num_seqs * blocks_per_seq * self.kv_block_bytes()
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, enough)
+        num_blocks = budget // self.kv_block_bytes()
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_gb: no KV block fits ({self.kv_block_bytes()} bytes per block)"
+            )
+        return int(num_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = (
+            mc.num_hidden_layers,
+            2,
+            num_blocks,
+            self.config.block_size,
+            self.num_kv_heads_per_rank,
+            mc.head_dim,
+        )
+        # NOTE: zeros, not empty: padded attention reads unused slots with zero weight, and
+        # 0 * NaN from uninitialised memory would poison the output.
+        kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        sampler = None
+        if self.rank == 0:
+            generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+            sampler = Sampler(mc.eos_token_id, generator)
+        self.runner = ModelRunner(
+            self.model,
+            kv_cache,
+            self.attention,
+            sampler,
+            self.config.max_num_seqs,
+            self.config.max_model_len,
+            self.device,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None, "init_kv_cache must run before the first step"
+        return self.runner.execute_model(scheduler_output)
+
+
+def _pick_device(device: str, rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        # NOTE: under Ray each actor sees only its own GPU as device 0.
+        return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else rank)
+    return torch.device(device)
