@@ -48,6 +48,8 @@ class Scheduler:
         self._finished_for_workers: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_computed_tokens_total = 0  # tokens run through the model, all steps
+        self.num_cow_copies = 0  # copy-on-write block copies issued
         self.peak_num_running = 0
         self.peak_kv_usage = 0.0
 
@@ -127,6 +129,8 @@ class Scheduler:
         )
         self._finished_for_workers = []
         self._step_id += 1
+        self.num_computed_tokens_total += output.total_num_scheduled_tokens
+        self.num_cow_copies += len(copies)
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
         self.peak_num_running = max(self.peak_num_running, len(self.running))
@@ -318,6 +322,8 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "num_computed_tokens_total": self.num_computed_tokens_total,
+            "num_cow_copies": self.num_cow_copies,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "peak_num_running": self.peak_num_running,

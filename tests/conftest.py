@@ -25,3 +25,25 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, str]) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session; shut down at the end so nothing is left running."""
+    import ray
+
+    # NOTE: logical CPUs, not cores: each engine reserves a bundle for itself and one per TP rank.
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:  # Serve was never started
+        pass
+    ray.shutdown()

@@ -1,0 +1,184 @@
+"""The offline `LLM` API end to end on real tiny checkpoints: prefix caching, copy-on-write n > 1,
+bad input, stop strings, logprobs, chat, and checkpoints saved by transformers itself."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from pagedray import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def test_second_request_computes_only_its_new_tokens(llm: LLM) -> None:
+    shared = _ids(32, seed=1)
+    llm.generate({"prompt_token_ids": shared + _ids(8, 2)}, GREEDY, use_tqdm=False)
+    before = llm.stats()
+    llm.generate({"prompt_token_ids": shared + _ids(5, 3)}, GREEDY, use_tqdm=False)
+    after = llm.stats()
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 32
+    # 5 new prompt tokens, then 7 decode steps (the 8th token is sampled, never computed).
+    assert after["num_computed_tokens_total"] - before["num_computed_tokens_total"] == 5 + 7
+
+
+def test_different_cache_salt_gets_no_hit(llm: LLM) -> None:
+    prompt = _ids(40, seed=4)
+    llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)
+    before = llm.stats()["prefix_cache_hits"]
+    salted = {"prompt_token_ids": prompt, "cache_salt": "tenant-b"}
+    out_b = llm.generate(salted, GREEDY, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] == before
+    same = {"prompt_token_ids": prompt, "cache_salt": "tenant-a"}
+    out_a = llm.generate(same, GREEDY, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] == before + 32
+    assert out_a[0].outputs[0].token_ids == out_b[0].outputs[0].token_ids
+
+
+def test_parallel_sampling_prefills_once_and_copies_the_shared_tail(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": _ids(20, seed=5)}
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    before = llm.stats()
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    after = llm.stats()
+    # One prefill of 20 tokens, then 4 sequences x 5 decode steps; not 4 prefills.
+    assert after["num_computed_tokens_total"] - before["num_computed_tokens_total"] == 20 + 4 * 5
+    # The 20-token prompt ends mid-block: three children copy it, the last writes in place.
+    assert after["num_cow_copies"] - before["num_cow_copies"] == 3
+    assert len(first.outputs) == 4
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ({"prompt_token_ids": list(range(10, 10 + 2000))}, None, "prompt"),
+        ({"prompt_token_ids": []}, None, "prompt"),
+        ("", None, "prompt"),
+        ({"prompt_token_ids": [1, 10**6]}, None, "prompt_token_ids"),
+        (42, None, "prompt"),
+    ],
+)
+def test_bad_prompt_raises_and_allocates_nothing(llm: LLM, prompt, params, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        llm.generate([{"prompt_token_ids": _ids(5, 9)}, prompt], params or GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_waiting"] == stats["num_running"] == 0
+    assert llm.generate({"prompt_token_ids": _ids(5, 9)}, GREEDY, use_tqdm=False)[0].finished
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 0}, "n"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": 5}, "stop"),
+        ({"logprobs": 99}, "logprobs"),
+    ],
+)
+def test_bad_sampling_params_name_field_and_limit(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SamplingParams(**kwargs)
+
+
+def test_stop_string_is_found_across_tokens_and_not_returned(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": _ids(12, seed=11)}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    assert len(text) > 8
+    stop = text[3:7]  # likely spans a token boundary; it must be cut either way
+    cut = llm.generate(prompt, params.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]
+
+
+def test_stop_token_ids_and_logprobs(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": _ids(9, seed=12)}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) <= 4
+        assert entry[token] == max(entry.values())  # greedy picks the most likely
+    stop_at = out.token_ids[4]
+    first = out.token_ids.index(stop_at)
+    cut = llm.generate(prompt, params.clone(stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert cut.outputs[0].token_ids == out.token_ids[: first + 1]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop_at
+
+
+def test_chat_and_text_prompts(llm: LLM) -> None:
+    outputs = llm.chat([{"role": "user", "content": "hello there"}], GREEDY, use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 8
+    text_out = llm.generate(["the quick brown fox", "a"], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in text_out] == ["the quick brown fox", "a"]
+    assert all(o.outputs[0].finish_reason == "length" for o in text_out)
+
+
+def test_32_requests_of_32_tokens_run_together_in_64_blocks(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, block_size=16)
+    prompts = [{"prompt_token_ids": _ids(17, seed=100 + i)} for i in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] == 0
+    assert stats["peak_num_running"] == 32
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
+    assert stats["num_free_blocks"] == 64
+
+
+ARCH_CONFIGS = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+ARCH_MODELS = {
+    "llama": transformers.LlamaForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_checkpoint_saved_by_transformers(arch: str, tiny_llama: str, tmp_path) -> None:
+    config = ARCH_CONFIGS[arch](
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.1, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )
+    torch.manual_seed(3)
+    model = ARCH_MODELS[arch](config).eval()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded, with an index file
+    llm = LLM(str(tmp_path), tokenizer=tiny_llama, dtype="float32")
+    prompt = _ids(21, seed=13)
+    ours = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                             do_sample=False, pad_token_id=0)
+    assert ours.outputs[0].token_ids == ref[0, 21:].tolist()
