@@ -1,4 +1,4 @@
-"""One attention interface for the model; which implementation runs is chosen here, not in the model.
+"""One attention interface for the model; which implementation runs is chosen here, not there.
 
 Triton kernels on CUDA, the plain-torch reference on CPU; `PAGEDRAY_ATTENTION_BACKEND=triton|torch`
 forces one.

@@ -1,4 +1,4 @@
-"""Plain-torch paged attention: the CPU backend and the oracle the Triton kernels are tested against."""
+"""Plain-torch paged attention: the CPU backend and the oracle the Triton kernels are tested by."""
 
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ import torch
 # the test process keeps to what it owns, spawned workers set their own.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Without a GPU the Triton kernels run in the interpreter. It must be chosen before anything
+# imports triton (torch._dynamo does, through transformers), since @triton.jit decides at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pagedray.cluster.default_model import ARCHS  # noqa: E402
 
 
