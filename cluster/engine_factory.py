@@ -20,7 +20,7 @@ def load_tokenizer(config: EngineConfig) -> Any:
 
 def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> PromptValidator:
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
-    return PromptValidator(tokenizer, max_model_len, model_config.vocab_size)
+    return PromptValidator(tokenizer, max_model_len, model_config.vocab_size, config.max_num_seqs)
 
 
 def build_executor(config: EngineConfig, max_model_len: int) -> Any:

@@ -18,10 +18,13 @@ class ValidatedPrompt:
 class PromptValidator:
     """Turns a user prompt into token ids and checks it against the model's limits."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
 
     def validate(self, prompt: Any, params: SamplingParams) -> ValidatedPrompt:
         """Tokenize and check a prompt; raises ValueError naming the bad field."""
@@ -29,6 +32,9 @@ class PromptValidator:
             raise ValueError(
                 f"sampling_params: expected SamplingParams, got {type(params).__name__}"
             )
+        if params.n > self.max_num_seqs:
+            # Its n sequences could never run together.
+            raise ValueError(f"n: must be at most max_num_seqs={self.max_num_seqs}, got {params.n}")
         text: str | None = None
         cache_salt = None
         if isinstance(prompt, str):

@@ -1,4 +1,4 @@
-"""The scheduler's slice of the frozen config tree (plain dataclass: scheduler/ imports no pydantic)."""
+"""The scheduler's slice of the frozen config tree (a plain dataclass: no pydantic here)."""
 
 from __future__ import annotations
 

@@ -66,12 +66,13 @@ class KVCacheManager:
         """The longest run of leading full blocks of `req` already in the prefix cache.
 
         Capped so at least one token is left to compute: the model must run on the last token to
-        produce logits. Refcounts are untouched; pass the blocks to `allocate_slots`.
+        produce logits. Refcounts and stats are untouched; pass the blocks to `allocate_slots`,
+        which counts the lookup once the request is admitted (a request that waits for blocks
+        is looked up again each step and must not be counted again).
 
         Returns:
             (the cached blocks in table order, the number of tokens they hold).
         """
-        self.prefix_cache_queries += req.num_tokens
         if not self.enable_caching:
             return [], 0
         block_hashes = self._update_block_hashes(req)
@@ -82,9 +83,7 @@ class KVCacheManager:
             if block is None:
                 break
             computed_blocks.append(block)
-        num_hit_tokens = len(computed_blocks) * self.block_size
-        self.prefix_cache_hits += num_hit_tokens
-        return computed_blocks, num_hit_tokens
+        return computed_blocks, len(computed_blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -124,6 +123,9 @@ class KVCacheManager:
         copies = [self._copy_on_write(table, idx) for idx in cow_indices]
         fresh_blocks = self.block_pool.get_new_blocks(num_fresh)
         table.extend(fresh_blocks)
+        if req.req_id not in self.req_to_blocks:  # admission: count the prefix-cache lookup
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
         self.req_to_blocks[req.req_id] = table
         new_block_ids = [block.block_id for block in new_computed_blocks]
         new_block_ids += [block.block_id for block in fresh_blocks]

@@ -28,7 +28,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: token id -> logprob (sampled + top-k)
+    logprobs: list[dict[int, float]] | None = (
+        None  # per token: token id -> logprob (sampled + top-k)
+    )
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 

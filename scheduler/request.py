@@ -28,7 +28,9 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return self.value if self.is_finished and self is not RequestStatus.FINISHED_FORKED else None
+        return (
+            self.value if self.is_finished and self is not RequestStatus.FINISHED_FORKED else None
+        )
 
 
 @dataclass
@@ -93,7 +95,9 @@ class Request:
 
     def fork_child(self, choice_index: int) -> Request:
         """A child sequence that continues this prompt; it shares the prompt's computed KV."""
-        params = self.sampling_params.clone(n=1, seed=_child_seed(self.sampling_params.seed, choice_index))
+        params = self.sampling_params.clone(
+            n=1, seed=_child_seed(self.sampling_params.seed, choice_index)
+        )
         child = Request(
             EngineRequest(
                 req_id=child_req_id(self.req_id, choice_index),

@@ -59,11 +59,19 @@ class Scheduler:
         """Queue a validated request; raises ValueError if it can never fit."""
         if req.req_id in self.requests or req.req_id in self.children:
             raise ValueError(f"request_id: {req.req_id!r} is already in use")
+        if req.sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n: must be at most max_num_seqs={self.config.max_num_seqs}, "
+                f"got {req.sampling_params.n}"
+            )
         if req.num_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt: {req.num_tokens} tokens exceed max_model_len={self.max_model_len}"
             )
-        if self.config.max_num_waiting is not None and len(self.waiting) >= self.config.max_num_waiting:
+        if (
+            self.config.max_num_waiting is not None
+            and len(self.waiting) >= self.config.max_num_waiting
+        ):
             raise OverflowError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
         self.requests[req.req_id] = req
         priority = req.priority if self.config.policy == "priority" else 0
@@ -145,10 +153,12 @@ class Scheduler:
         cached: CachedRequestData,
         copies: list[tuple[int, int]],
     ) -> int:
+        # NOTE: an unforked n > 1 prompt counts as the n sequences it becomes after its prefill.
+        num_running_seqs = sum(_num_seqs(running_req) for running_req in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            num_seqs = req.sampling_params.n if req.parent_req_id is None and not req.output_token_ids else 1
-            if self.running and len(self.running) + num_seqs > self.config.max_num_seqs:
+            num_seqs = _num_seqs(req)
+            if self.running and num_running_seqs + num_seqs > self.config.max_num_seqs:
                 break
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
@@ -165,6 +175,7 @@ class Scheduler:
             copies.extend(allocation.copies)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
+            num_running_seqs += num_seqs
         return budget
 
     def _emit(
@@ -217,7 +228,9 @@ class Scheduler:
                 outputs.append(self._append(req, token_ids, logprobs))
         return outputs
 
-    def _append(self, req: Request, token_ids: list[int], logprobs: list | None) -> EngineCoreOutput:
+    def _append(
+        self, req: Request, token_ids: list[int], logprobs: list | None
+    ) -> EngineCoreOutput:
         req.append_output_token_ids(token_ids)
         status = self._stop_status(req)
         if status is not None:
@@ -232,7 +245,9 @@ class Scheduler:
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
 
-    def _fork(self, parent: Request, token_ids: list[int], logprobs: list | None) -> list[EngineCoreOutput]:
+    def _fork(
+        self, parent: Request, token_ids: list[int], logprobs: list | None
+    ) -> list[EngineCoreOutput]:
         """Split a prefilled n > 1 prompt into n sequences sharing its blocks."""
         children = [parent.fork_child(i) for i in range(len(token_ids))]
         self.kv_cache_manager.fork(parent, children)
@@ -240,21 +255,28 @@ class Scheduler:
         del self.requests[parent.req_id]
         self._forget_sent(parent.req_id)
         self.children[parent.req_id] = [child.req_id for child in children]
+        parent_key = self._queue_keys.pop(parent.req_id)
+        for child in children:  # children keep their parent's place in the queues
+            self._queue_keys[child.req_id] = parent_key
         pos = self.running.index(parent)
         self.running[pos : pos + 1] = children
-        outputs = []
-        for i, child in enumerate(children):
+        # NOTE: register every child before any can finish, or the first to finish would see
+        # no live siblings and drop the parent -> children map (then an abort would miss them).
+        for child in children:
             self.requests[child.req_id] = child
             child.status = RequestStatus.RUNNING
-            outputs.append(self._append(child, [token_ids[i]], [logprobs[i]] if logprobs else None))
-        return outputs
+        return [
+            self._append(child, [token_ids[i]], [logprobs[i]] if logprobs else None)
+            for i, child in enumerate(children)
+        ]
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params
         last = req.output_token_ids[-1]
-        if req.num_output_tokens >= params.min_tokens:
-            if (last in self.eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+        is_eos = last in self.eos_token_ids and not params.ignore_eos
+        stopped = is_eos or last in params.stop_token_ids
+        if stopped and req.num_output_tokens >= params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= self.max_model_len:
@@ -308,9 +330,6 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=self._queue_key)
 
     def _queue_key(self, req: Request) -> tuple[int, float, int]:
-        if req.req_id not in self._queue_keys:  # forked children inherit their parent's place
-            parent_key = self._queue_keys.get(req.parent_req_id or "", (0, req.arrival_time, 0))
-            self._queue_keys[req.req_id] = (parent_key[0], parent_key[1], parent_key[2])
         return self._queue_keys[req.req_id]
 
     def stats(self) -> dict[str, float]:
@@ -329,3 +348,8 @@ class Scheduler:
             "peak_num_running": self.peak_num_running,
             "peak_kv_usage": self.peak_kv_usage,
         }
+
+
+def _num_seqs(req: Request) -> int:
+    """Sequences `req` stands for: an n > 1 prompt forks into n once its prefill completes."""
+    return req.sampling_params.n if req.parent_req_id is None and not req.output_token_ids else 1

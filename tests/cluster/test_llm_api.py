@@ -182,3 +182,10 @@ def test_checkpoint_saved_by_transformers(arch: str, tiny_llama: str, tmp_path) 
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                              do_sample=False, pad_token_id=0)
     assert ours.outputs[0].token_ids == ref[0, 21:].tolist()
+
+
+def test_more_samples_than_max_num_seqs_is_refused(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, dtype="float32", max_num_seqs=2, num_kv_blocks=32)
+    with pytest.raises(ValueError, match="^n: must be at most max_num_seqs=2"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(n=3), use_tqdm=False)
+    assert llm.stats()["num_free_blocks"] == 32

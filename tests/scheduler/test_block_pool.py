@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedray.scheduler.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from pagedray.scheduler.prefix_hash import hash_block_tokens
 

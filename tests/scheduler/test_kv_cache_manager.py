@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedray.scheduler.request import EngineRequest, Request
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -246,6 +247,7 @@ def test_caching_disabled() -> None:
     assert manager.block_pool.num_cached_blocks == 0
     second = make_request("b", list(range(9)))
     assert manager.get_computed_blocks(second) == ([], 0)
+    assert manager.allocate_slots(second, 9) is not None
     assert manager.prefix_cache_queries == 18 and manager.prefix_cache_hits == 0
 
 

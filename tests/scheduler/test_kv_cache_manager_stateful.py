@@ -13,6 +13,7 @@ from typing import TypeVar
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from pagedray.scheduler.block_pool import KVCacheBlock
 from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedray.scheduler.request import EngineRequest, Request

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from pagedray.scheduler.prefix_hash import compute_block_hashes, hash_block_tokens
 
 
