@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copy of query_start_loc for loops on the CPU
     seq_lens_cpu: list[int]  # host copy of seq_lens
+    # A backend's own derived per-step data (gather indices, masks): built by the first layer,
+    # reused by the others, dropped with the metadata at the end of the step.
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -1,4 +1,4 @@
-"""`pagedray` command line: build the default model, generate offline, serve over HTTP."""
+"""`pagedray` command line: build the default model, generate offline, serve, push dashboards."""
 
 from __future__ import annotations
 
@@ -7,18 +7,17 @@ import json
 import sys
 from typing import Any
 
+from pagedray.cluster.dashboard_cli import add_dashboard_parser
+from pagedray.cluster.serve_cli import add_serve_parser
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedray", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_make_model(commands)
     _add_generate(commands)
-    try:
-        from pagedray.cluster.serve_cli import add_serve_parser
-    except ImportError:  # the serving stack is optional for offline use
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(commands)
+    add_serve_parser(commands)
+    add_dashboard_parser(commands)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

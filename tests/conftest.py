@@ -39,6 +39,7 @@ def ray_cluster():
 
     # NOTE: logical CPUs, not cores: each engine reserves a bundle for itself and one per TP rank.
     ray.init(
+        address="local",  # never attach to a cluster some other process left running
         num_cpus=8,
         include_dashboard=False,
         log_to_driver=False,

@@ -1,0 +1,275 @@
+"""The engine core driven from asyncio: many concurrent requests, one continuous-batching loop.
+
+`EngineCore` is synchronous and not thread-safe, so every call into it happens on the event loop
+while no step is in flight; only `step()` itself runs in a thread, which keeps the loop free to
+accept requests, aborts and health checks while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pagedray.cluster.output_processor import ChoiceDelta, OutputProcessor, RequestState
+from pagedray.scheduler.engine_core import EngineCore
+from pagedray.scheduler.request import EngineRequest
+from pagedray.scheduler.sampling_params import SamplingParams
+
+# A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
+DEFAULT_STUCK_AFTER_S = 120.0
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at `max_num_waiting`: the request was refused, try again later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step raised); no request can be served by this engine."""
+
+
+@dataclass
+class RequestStepOutput:
+    """What one engine step produced for one request; the last one carries usage and timing."""
+
+    request_id: str
+    deltas: list[ChoiceDelta] = field(default_factory=list)  # one per choice that advanced
+    finished: bool = False  # every choice has a finish reason
+    usage: dict[str, int] | None = None  # prompt/completion/total/cached tokens, when finished
+    metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
+    error: dict[str, Any] | None = None  # set instead of deltas when the request failed
+
+
+@dataclass
+class _PendingRequest:
+    engine_request: EngineRequest
+    prompt: str | None
+
+
+class AsyncEngine:
+    """Owns an `EngineCore` and its `OutputProcessor`; fans step outputs out to request streams."""
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        output_processor: OutputProcessor,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+    ) -> None:
+        self.engine = engine
+        self.output_processor = output_processor
+        self.stuck_after_s = stuck_after_s
+        self.max_num_waiting: int | None = engine.scheduler.config.max_num_waiting
+        self._streams: dict[str, asyncio.Queue[RequestStepOutput | BaseException]] = {}
+        self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
+        self._pending_aborts: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._step_started: float | None = None  # time.monotonic() while a step is in flight
+        self._error: BaseException | None = None
+        self._stats = self.engine.stats()  # a snapshot, refreshed only while no step runs
+
+    def start(self) -> None:
+        """Start the loop on the running event loop (idempotent)."""
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestStepOutput]:
+        """Queue a validated request; returns its stream of per-step outputs.
+
+        Closing or cancelling the stream before it finishes aborts the request.
+
+        Raises:
+            EngineDeadError: the loop has stopped.
+            EngineOverloadedError: the waiting queue is full.
+            ValueError: `request_id` is already in use.
+        """
+        self.start()
+        self._raise_if_dead()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        num_waiting = int(self._stats["num_waiting"]) + len(self._pending)
+        if self.max_num_waiting is not None and num_waiting >= self.max_num_waiting:
+            raise EngineOverloadedError(
+                f"the waiting queue is full ({self.max_num_waiting} requests); retry later"
+            )
+        engine_request = EngineRequest(
+            request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt
+        )
+        self._pending[request_id] = _PendingRequest(engine_request, prompt)
+        queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._wake()
+        return self._stream(request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        queue = self._streams.pop(request_id, None)
+        if self._pending.pop(request_id, None) is not None or queue is None:
+            return
+        self._pending_aborts.add(request_id)
+        self._wake()
+
+    def health(self) -> dict[str, Any]:
+        """`healthy` only while the loop is alive and no step has been running too long."""
+        error = None
+        if self._error is not None:
+            error = f"engine loop died: {self._error!r}"
+        elif self._task is not None and self._task.done():
+            error = "engine loop stopped"
+        elif self._step_started is not None:
+            running_for = time.monotonic() - self._step_started
+            if running_for > self.stuck_after_s:
+                error = f"engine step has been running for {running_for:.1f}s (stuck)"
+        return {"healthy": error is None, "error": error, "num_steps": self.engine.num_steps}
+
+    def stats(self) -> dict[str, Any]:
+        if self._step_started is None:
+            self._stats = self.engine.stats()
+        return {
+            **self._stats,
+            "num_requests": len(self._streams),
+            "num_pending": len(self._pending),
+            "last_step_duration": self.engine.last_step_duration,
+            "last_batch_size": self.engine.last_batch_size,
+            "healthy": self.health()["healthy"],
+        }
+
+    async def shutdown(self) -> None:
+        """Stop the loop and fail what is still in flight."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._step_started = time.monotonic()
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                finally:
+                    self._step_started = None
+                deltas, stopped = self.output_processor.process(outputs)
+                if stopped:
+                    self.engine.stop_requests(stopped)
+                self._stats = self.engine.stats()
+                self._publish(deltas)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    def _apply_pending(self) -> None:
+        """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
+        if self._pending_aborts:
+            aborts, self._pending_aborts = list(self._pending_aborts), set()
+            self.engine.abort_requests(aborts)
+            for request_id in aborts:
+                self.output_processor.abort(request_id)
+        pending, self._pending = list(self._pending.values()), {}
+        for item in pending:
+            request = item.engine_request
+            try:
+                self.engine.add_request(request)
+            except OverflowError as exc:
+                self._fail(request.req_id, EngineOverloadedError(str(exc)))
+                continue
+            except ValueError as exc:
+                self._fail(request.req_id, exc)
+                continue
+            self.output_processor.add_request(
+                request.req_id, item.prompt, request.prompt_token_ids, request.sampling_params
+            )
+        self._stats = self.engine.stats()
+
+    def _publish(self, deltas: list[ChoiceDelta]) -> None:
+        by_request: dict[str, list[ChoiceDelta]] = {}
+        for delta in deltas:
+            by_request.setdefault(delta.request_id, []).append(delta)
+        for request_id, request_deltas in by_request.items():
+            state = self.output_processor.requests.get(request_id)
+            if state is None:
+                continue
+            output = RequestStepOutput(request_id, request_deltas)
+            if state.finished:
+                self.output_processor.requests.pop(request_id)
+                output.finished = True
+                output.usage = _usage(state)
+                output.metrics = {
+                    "arrival_time": state.arrival_time,
+                    "first_token_time": state.first_token_time or 0.0,
+                    "finish_time": state.finish_time or 0.0,
+                }
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finished:
+                    del self._streams[request_id]
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._pending.clear()
+        for request_id in list(self._streams):
+            self.output_processor.abort(request_id)
+            self._fail(request_id, exc)
+
+    def _raise_if_dead(self) -> None:
+        # A stuck step is reported by health(), but requests still queue behind it.
+        if self._error is not None or (self._task is not None and self._task.done()):
+            raise EngineDeadError(self.health()["error"] or "engine loop stopped")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestStepOutput | BaseException]
+    ) -> AsyncIterator[RequestStepOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+
+def _usage(state: RequestState) -> dict[str, int]:
+    prompt_tokens = len(state.prompt_token_ids)
+    completion_tokens = sum(len(choice.token_ids) for choice in state.choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "cached_tokens": state.num_cached_tokens,
+    }

@@ -1,0 +1,169 @@
+"""The engine Serve deployment: each replica is one scheduler actor with its own TP workers.
+
+A replica reserves a placement group (its own bundle, then one per TP rank, STRICT_PACK), builds
+the engine inside it so the worker actors land in bundles 1..TP, and runs the continuous-batching
+loop. More replicas = more independent engines; Serve routes requests among them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator, Callable
+
+from ray import serve
+from ray.serve import Deployment
+
+from pagedray.cluster.async_engine import (
+    DEFAULT_STUCK_AFTER_S,
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStepOutput,
+)
+from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.output_processor import OutputProcessor
+from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
+
+# Serve's default of 5 concurrent requests per replica would starve continuous batching.
+MAX_ONGOING_REQUESTS = 4096
+DEFAULT_HEALTH_CHECK_PERIOD_S = 10.0
+
+EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
+
+
+@serve.deployment(
+    name="PagedRayEngine",
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    health_check_period_s=DEFAULT_HEALTH_CHECK_PERIOD_S,
+    health_check_timeout_s=30.0,
+)
+class EngineDeployment:
+    """One engine: scheduler and KV block table here, TP workers in this replica's group."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        engine_builder: EngineBuilder | None = None,
+    ) -> None:
+        """`engine_builder` (default `build_engine`) lets tests inject a faulty engine."""
+        self.config = EngineConfig.model_validate(config)
+        if engine_builder is None:
+            from pagedray.cluster.engine_factory import build_engine
+
+            engine_builder = build_engine
+        engine, self.executor, tokenizer, _ = engine_builder(self.config)
+        self.engine = AsyncEngine(engine, OutputProcessor(tokenizer), stuck_after_s)
+        self.replica_id = _replica_id()
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[RequestStepOutput]:
+        """Stream a request's per-step outputs; the first item says whether it was accepted.
+
+        `request` holds request_id, prompt_token_ids, sampling_params (a validated
+        `SamplingParams`) and optionally prompt, priority and cache_salt. Errors are yielded as
+        an output with `error` set (never raised), so the caller can map them to HTTP statuses.
+        """
+        request_id = request["request_id"]
+        try:
+            stream = self.engine.add_request(
+                request_id,
+                request["prompt_token_ids"],
+                request["sampling_params"],
+                prompt=request.get("prompt"),
+                priority=request.get("priority", 0),
+                cache_salt=request.get("cache_salt"),
+            )
+        except Exception as exc:  # noqa: BLE001 - reported to the client, not raised
+            yield error_output(request_id, exc)
+            return
+        yield RequestStepOutput(request_id)  # accepted
+        # NOTE: closing the stream on cancellation or disconnect aborts the request in the engine.
+        async with contextlib.aclosing(stream):
+            try:
+                async for output in stream:
+                    yield output
+            except Exception as exc:  # noqa: BLE001
+                yield error_output(request_id, exc)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def health(self) -> dict[str, Any]:
+        self.engine.start()
+        return {**self.engine.health(), "replica_id": self.replica_id}
+
+    async def check_health(self) -> None:
+        """Serve's health hook: raising marks this replica unhealthy (Serve then replaces it)."""
+        health = await self.health()
+        if not health["healthy"]:
+            raise RuntimeError(health["error"])
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "replica_id": self.replica_id}
+
+    def __del__(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+
+
+def error_output(request_id: str, exc: BaseException) -> RequestStepOutput:
+    """An exception as an OpenAI-style error: 400 bad input, 503 overloaded or dead, else 500."""
+    message = str(exc)
+    param = None
+    if isinstance(exc, (EngineOverloadedError, EngineDeadError)):
+        status, error_type = 503, "ServiceUnavailableError"
+    elif isinstance(exc, ValueError):
+        status, error_type = 400, "BadRequestError"
+        field, sep, _ = message.partition(": ")
+        param = field if sep and field.isidentifier() else None
+    else:
+        status, error_type = 500, "InternalServerError"
+        message = f"{type(exc).__name__}: {message}"
+    error = {"status": status, "message": message, "type": error_type, "param": param}
+    return RequestStepOutput(request_id, error=error)
+
+
+def engine_deployment_options(
+    config: EngineConfig,
+    num_replicas: int = 1,
+    autoscaling_config: dict[str, Any] | None = None,
+    health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S,
+) -> dict[str, Any]:
+    """Serve options for one engine per replica, each with its own STRICT_PACK group."""
+    use_gpu = resolve_use_gpu(config.device) if _ray_ready() else config.device == "cuda"
+    in_process = config.tensor_parallel_size == 1 and not config.use_ray_workers
+    # An in-process rank runs in the replica itself, so the replica's bundle holds its device.
+    bundles = engine_bundles(config.tensor_parallel_size, use_gpu)
+    if in_process:
+        bundles = [bundles[1]]
+    head = bundles[0]
+    options: dict[str, Any] = {
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0)},
+        "health_check_period_s": health_check_period_s,
+    }
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = autoscaling_config
+    else:
+        options["num_replicas"] = num_replicas
+    return options
+
+
+def engine_deployment(config: EngineConfig, **options: Any) -> Deployment:
+    """The engine deployment configured for `config` (see `engine_deployment_options`)."""
+    return EngineDeployment.options(**engine_deployment_options(config, **options))
+
+
+def _ray_ready() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+        return "local"

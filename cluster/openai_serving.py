@@ -1,0 +1,197 @@
+"""Serving helpers: the merged engine streams, usage, logprob formats, SSE framing, error JSON.
+
+One client request may be several engine requests (a batch of completion prompts); their streams
+are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from pagedray.cluster.async_engine import RequestStepOutput
+from pagedray.cluster.openai_protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from pagedray.cluster.output_processor import ChoiceDelta
+
+
+class EngineStreams:
+    """The engine-side streams of one client request, opened together and merged."""
+
+    def __init__(self, engine: Any, requests: list[dict[str, Any]]) -> None:
+        streaming = engine.options(stream=True)
+        self.generators = [streaming.generate.remote(request) for request in requests]
+
+    async def open(self) -> dict[str, Any] | None:
+        """Wait until every engine request is accepted; returns the first refusal, if any."""
+        try:
+            firsts = await asyncio.gather(
+                *(gen.__anext__() for gen in self.generators), return_exceptions=True
+            )
+        except BaseException:  # cancelled: the client went away before admission
+            self.close()
+            raise
+        for first in firsts:
+            error = _error_of(first)
+            if error is not None:
+                self.close()
+                return error
+        return None
+
+    async def merged(self) -> AsyncIterator[tuple[int, RequestStepOutput]]:
+        """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(index: int, gen: Any) -> None:
+            try:
+                async for item in gen:
+                    await queue.put((index, item))
+            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
+                await queue.put((index, exc))
+            await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.generators)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                error = _error_of(item)
+                yield index, item if error is None else RequestStepOutput("", error=error)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+
+    def close(self) -> None:
+        # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
+        for gen in self.generators:
+            gen.cancel()
+
+
+def _error_of(item: Any) -> dict[str, Any] | None:
+    if isinstance(item, BaseException):
+        message = f"engine unavailable: {type(item).__name__}: {item}"
+        return {"status": 503, "message": message, "type": "ServiceUnavailableError"}
+    return item.error
+
+
+@dataclass
+class UsageCounter:
+    """Usage summed over a request's prompts, from each one's last output."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    num_finished: int = 0
+
+    def add(self, output: RequestStepOutput) -> None:
+        if output.usage is None:
+            return
+        self.num_finished += 1
+        self.prompt_tokens += output.usage["prompt_tokens"]
+        self.completion_tokens += output.usage["completion_tokens"]
+        self.cached_tokens += output.usage["cached_tokens"]
+
+    def info(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+class LogprobFormatter:
+    """Token logprobs in the completions and chat formats (token strings decoded one by one)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_strs: dict[int, str] = {}
+
+    def token_str(self, token_id: int) -> str:
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_strs[token_id] = text
+        return text
+
+    def completion(self, delta: ChoiceDelta, text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token_id, entries in zip(delta.token_ids, delta.logprobs or []):
+            token = self.token_str(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entries.get(token_id))
+            result.top_logprobs.append({self.token_str(t): lp for t, lp in entries.items()})
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+    def chat(self, delta: ChoiceDelta, num_top: int) -> list[ChatTokenLogprob]:
+        result = []
+        for token_id, entries in zip(delta.token_ids, delta.logprobs or []):
+            # The entries hold the sampled token and the top k: the best k of them are the top k.
+            top = sorted(entries.items(), key=lambda item: -item[1])[:num_top]
+            result.append(
+                ChatTokenLogprob(
+                    **self._top(token_id, entries.get(token_id, float("-inf"))).model_dump(),
+                    top_logprobs=[self._top(t, lp) for t, lp in top],
+                )
+            )
+        return result
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.token_str(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event, as OpenAI frames them."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_response(
+    status: int, message: str, error_type: str = "BadRequestError", param: str | None = None
+) -> JSONResponse:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    error = {"message": message, "type": error_type, "param": param, "code": status}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+def bad_request(exc: Exception) -> JSONResponse:
+    """400 from a pydantic error or a "field: message" ValueError, naming the field as param."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        loc = ".".join(str(part) for part in first["loc"])
+        if loc:  # param is the top-level field; the message keeps the full location
+            return error_response(400, f"{loc}: {message}", param=str(first["loc"][0]))
+        return error_response(400, message, param=_field_of(message))
+    return error_response(400, str(exc), param=_field_of(str(exc)))
+
+
+def _field_of(message: str) -> str | None:
+    """The field a "field: message" error names (the project's ValueError convention)."""
+    field, sep, _ = message.partition(": ")
+    return field if sep and field.isidentifier() else None
+
+
+def engine_error_response(error: dict[str, Any]) -> JSONResponse:
+    return error_response(error["status"], error["message"], error["type"], error.get("param"))

@@ -1,0 +1,107 @@
+"""`pagedray serve`: the OpenAI-compatible server on a local Ray, or on a running Ray cluster.
+
+Kept apart from `cli.py` so offline use never imports Ray Serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from typing import Any
+
+APP_NAME = "pagedray"
+
+
+def add_serve_parser(commands: Any) -> None:
+    """Register the `serve` subcommand (called by `cli.main`)."""
+    from pagedray.cluster.cli import add_engine_args
+
+    parser = commands.add_parser("serve", help="serve the OpenAI API over HTTP with Ray Serve")
+    add_engine_args(parser)
+    parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
+    parser.add_argument("--num-replicas", type=int, default=1, help="engines (each a TP group)")
+    parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this")
+    parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this")
+    parser.add_argument("--max-num-waiting", type=int, default=None, help="503 beyond this")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dispatch", default="compiled", choices=["compiled", "actor"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDRAY_API_KEY"))
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster to join ('auto'); default: start a local one"
+    )
+    parser.set_defaults(func=run_serve)
+
+
+def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The `build_app` arguments for parsed `serve` flags (None = the default)."""
+    from pagedray.cluster.cli import engine_kwargs
+
+    app_args: dict[str, Any] = {
+        "model": args.model,
+        **engine_kwargs(args),
+        "served_model_name": args.served_model_name,
+        "max_num_waiting": args.max_num_waiting,
+        "num_threads": args.num_threads,
+        "device": args.device,
+        "dispatch": args.dispatch,
+        "num_replicas": args.num_replicas,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "api_key": args.api_key,
+    }
+    return {key: value for key, value in app_args.items() if value is not None}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start (or join) Ray, deploy, print the URL, and serve until Ctrl-C or SIGTERM."""
+    import ray
+    from ray import serve
+
+    from pagedray.cluster.openai_app import build_app
+
+    app_args = serve_app_args(args)
+    local = args.address is None and not os.environ.get("RAY_ADDRESS")
+    if local:
+        engines = args.max_replicas or args.num_replicas
+        num_cpus = engines * (1 + args.tensor_parallel_size) + 1  # + the ingress
+        ray.init(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, num_cpus),
+            include_dashboard=True,
+        )
+    else:
+        ray.init(address=args.address)
+    stop = threading.Event()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+        print(f"pagedray: serving the OpenAI API at http://{args.host}:{args.port}/v1", flush=True)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        while not stop.wait(1.0):
+            pass
+    finally:
+        _shut_down(local)
+    return 0
+
+
+def _shut_down(local: bool) -> None:
+    """Remove our app; stop Serve unless other apps still run there; disconnect from Ray."""
+    import ray
+    from ray import serve
+
+    try:
+        if serve.status().applications.get(APP_NAME) is not None:
+            serve.delete(APP_NAME)
+        if local or not serve.status().applications:
+            serve.shutdown()
+    except Exception as exc:  # noqa: BLE001 - still disconnect from Ray below
+        print(f"pagedray: shutting down Serve failed: {exc}", flush=True)
+    finally:
+        ray.shutdown()
+    print("pagedray: stopped", flush=True)

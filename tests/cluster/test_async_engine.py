@@ -1,0 +1,133 @@
+"""`AsyncEngine` without Ray: a real tiny engine in-process, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from pagedray.cluster.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStepOutput,
+)
+from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.engine_factory import build_engine
+from pagedray.cluster.output_processor import OutputProcessor
+from pagedray.scheduler.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(model: str, **overrides: Any) -> tuple[AsyncEngine, Any]:
+    config = EngineConfig(model=model, num_kv_blocks=32, num_threads=1, **overrides)
+    engine, _executor, tokenizer, _validator = build_engine(config)
+    return AsyncEngine(engine, OutputProcessor(tokenizer), stuck_after_s=0.2), tokenizer
+
+
+async def _drain(stream: Any) -> list[RequestStepOutput]:
+    return [output async for output in stream]
+
+
+def _text(outputs: list[RequestStepOutput], index: int = 0) -> str:
+    return "".join(d.text for o in outputs for d in o.deltas if d.index == index)
+
+
+def test_concurrent_requests_match_sequential(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        prompts = [tokenizer.encode(p) for p in ("one", "two three", "four five six")]
+        alone = [
+            await _drain(engine.add_request(f"a{i}", p, GREEDY)) for i, p in enumerate(prompts)
+        ]
+        together = await asyncio.gather(
+            *(_drain(engine.add_request(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts))
+        )
+        assert [_text(o) for o in together] == [_text(o) for o in alone]
+        last = together[2][-1]
+        assert last.finished and last.usage == {
+            "prompt_tokens": len(prompts[2]),
+            "completion_tokens": 6,
+            "total_tokens": len(prompts[2]) + 6,
+            "cached_tokens": last.usage["cached_tokens"],
+        }
+        assert engine.stats()["num_free_blocks"] == 32
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        stream = engine.add_request("long", tokenizer.encode("hello"), params)
+        await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_requests"], stats["num_running"]) == (32, 0, 0)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_full_waiting_queue_refuses(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=1, max_num_waiting=1)
+        ids = tokenizer.encode("hi")
+        first = engine.add_request("first", ids, SamplingParams(max_tokens=50, ignore_eos=True))
+        await first.__anext__()  # running
+        second = engine.add_request("second", ids, GREEDY)  # waiting
+        with pytest.raises(EngineOverloadedError):
+            engine.add_request("third", ids, GREEDY)
+        await first.aclose()
+        assert (await _drain(second))[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_failing_step_fails_requests_and_kills_health(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+
+        def step() -> list[Any]:
+            raise RuntimeError("boom")
+
+        engine.engine.step = step  # type: ignore[method-assign]
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _drain(engine.add_request("r", tokenizer.encode("hi"), GREEDY))
+        health = engine.health()
+        assert not health["healthy"] and "boom" in health["error"]
+        with pytest.raises(EngineDeadError):
+            engine.add_request("next", tokenizer.encode("hi"), GREEDY)
+
+    asyncio.run(run())
+
+
+def test_stuck_step_is_unhealthy(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        release = threading.Event()
+        real_step = engine.engine.step
+
+        def slow_step() -> list[Any]:
+            release.wait(5)
+            return real_step()
+
+        engine.engine.step = slow_step  # type: ignore[method-assign]
+        stream = engine.add_request("r", tokenizer.encode("hi"), GREEDY)
+        task = asyncio.create_task(_drain(stream))
+        await asyncio.sleep(0.4)  # past stuck_after_s=0.2
+        health = engine.health()
+        assert not health["healthy"] and "stuck" in health["error"]
+        release.set()
+        assert (await task)[-1].finished
+        assert engine.health()["healthy"]
+        await engine.shutdown()
+
+    asyncio.run(run())

@@ -1,0 +1,465 @@
+"""The OpenAI server end to end: real Ray, real Serve over HTTP, the official `openai` client.
+
+Small apps share one Serve instance, each under its own route prefix: "main" (two engine replicas,
+each with its worker as a Ray actor in the replica's placement group) for the whole module, then
+one at a time "limited" (an API key; one running and one waiting request at most), "broken" (an
+engine whose step raises) and "tp2" (tensor_parallel_size=2).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from pagedray import LLM, SamplingParams
+
+MODEL = "tiny"
+API_KEY = "sk-test-secret"
+ENGINE_ARGS: dict[str, Any] = {
+    "served_model_name": MODEL,
+    "num_kv_blocks": 64,
+    "num_threads": 1,
+    "ingress_num_cpus": 0.1,
+}
+# The in-process worker: one process fewer for apps that do not test the worker path.
+IN_PROCESS = {**ENGINE_ARGS, "use_ray_workers": False}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_url(ray_cluster: Any) -> Iterator[str]:
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    # NOTE: a Serve already running in this Ray session keeps its own port.
+    port = _get_global_client().http_config.port
+    yield f"http://127.0.0.1:{port}"
+
+
+def _deploy(serve_url: str, name: str, app: Any) -> Iterator[str]:
+    from ray import serve
+
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    yield f"{serve_url}/{name}"
+    serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def main_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    from pagedray.cluster.openai_app import build_app
+
+    args = {**ENGINE_ARGS, "model": tiny_llama, "num_replicas": 2}
+    yield from _deploy(serve_url, "main", build_app(args))
+
+
+@pytest.fixture(scope="module")
+def client(main_url: str) -> openai.OpenAI:
+    # max_retries=0: the SDK would otherwise retry 503s and hide them.
+    return openai.OpenAI(base_url=f"{main_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, num_kv_blocks=64, num_threads=1)
+
+
+def _stats(url: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{url}/stats", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200, response.text
+    return response.json()["replicas"]
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# ---- generation ----------------------------------------------------------------------------
+
+
+def test_greedy_completion_matches_offline_llm(client: openai.OpenAI, offline: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = offline.generate("The quick brown fox", params, use_tqdm=False)[0]
+    response = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert response.choices[0].text == expected.outputs[0].text
+    assert response.choices[0].finish_reason == "length"
+    usage = response.usage
+    assert usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + 12
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_streamed_completion_equals_whole(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt=[5, 17, 42, 99], max_tokens=10, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_whole_and_streamed(client: openai.OpenAI, main_url: str) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=8, temperature=0
+    )
+    assert whole.choices[0].message.role == "assistant"
+    tokenized = httpx.post(f"{main_url}/tokenize", json={"messages": messages}).json()
+    assert whole.usage.prompt_tokens == tokenized["count"]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+
+
+def test_n2_with_logprobs(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL, prompt="hello world", n=2, max_tokens=6, logprobs=2, seed=7
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.completion_tokens == 12
+    for choice in response.choices:
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+        assert all(lp <= 0 for lp in logprobs.token_logprobs)
+        assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    assert len(chat.choices) == 2
+    for choice in chat.choices:
+        assert len(choice.logprobs.content) == 4
+        assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+
+
+def test_stop_string_across_token_boundary(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs, logprobs=0).choices[0]
+    tokens, text = full.logprobs.tokens, full.text
+    # A stop string made of the end of one token and the start of the next.
+    stop = None
+    for i in range(2, len(tokens) - 1):
+        candidate = tokens[i][-1:] + tokens[i + 1][:1]
+        if len(candidate) == 2 and text.find(candidate) == full.logprobs.text_offset[i + 1] - 1:
+            stop = candidate
+            break
+    assert stop is not None, tokens
+    expected = text[: text.index(stop)]
+    stopped = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert (stopped.text, stopped.finish_reason) == (expected, "stop")
+    streamed = client.completions.create(**kwargs, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_seed_reproduces(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=MODEL,
+                prompt="hello",
+                max_tokens=16,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(123) == sample(123)
+    assert sample(123) != sample(124)
+
+
+def test_batch_of_prompts_and_echo(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL, prompt=["one two", "three four"], max_tokens=3, n=2, echo=True, temperature=0
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text.startswith("one two")
+    assert response.choices[3].text.startswith("three four")
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x " * 2000}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [99999]}, 400, "prompt_token_ids"),
+        ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400, None),
+    ],
+)
+def test_bad_requests_are_refused(
+    main_url: str, path: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    error = _error(httpx.post(f"{main_url}{path}", json=body), status)
+    if param is not None:
+        assert error["param"] == param
+    assert error["code"] == status
+
+
+def test_engine_serves_after_errors(client: openai.OpenAI, main_url: str) -> None:
+    _error(httpx.post(f"{main_url}/v1/completions", content=b"{not json"), 400)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="unknown", prompt="hi", max_tokens=4)
+    response = client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert response.usage.completion_tokens == 4
+
+
+# ---- cancellation, health, stats ----------------------------------------------------------
+
+
+def _wait_all_blocks_free(url: str, timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = _stats(url)
+        if all(
+            r["num_free_blocks"] == r["num_kv_blocks"] and r["num_requests"] == 0 for r in replicas
+        ):
+            return replicas
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.05)
+
+
+def _total_steps(url: str) -> int:
+    return sum(int(r["num_steps"]) for r in _stats(url))
+
+
+LONG = {"model": MODEL, "prompt": "a long one", "max_tokens": 1000, "ignore_eos": True}
+
+
+def test_client_disconnect_mid_stream_frees_blocks(client: openai.OpenAI, main_url: str) -> None:
+    steps_before = _total_steps(main_url)
+    with httpx.stream("POST", f"{main_url}/v1/completions", json={**LONG, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    _wait_all_blocks_free(main_url, timeout_s=2.0)
+    # Had it not been aborted, the request would have run ~1000 steps.
+    assert _total_steps(main_url) - steps_before < 500
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).choices[0].text
+
+
+def test_client_disconnect_while_waiting_frees_blocks(main_url: str) -> None:
+    steps_before = _total_steps(main_url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{main_url}/v1/completions", json=LONG, timeout=httpx.Timeout(10, read=0.5))
+    _wait_all_blocks_free(main_url, timeout_s=2.0)
+    assert _total_steps(main_url) - steps_before < 500
+
+
+def test_health_models_and_tokenizer_routes(main_url: str) -> None:
+    health = httpx.get(f"{main_url}/health")
+    assert health.status_code == 200 and len(health.json()["replicas"]) == 2
+    models = httpx.get(f"{main_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    text = "Hello, world! Zürich 😀"
+    tokens = httpx.post(
+        f"{main_url}/tokenize", json={"prompt": text, "add_special_tokens": False}
+    ).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    back = httpx.post(f"{main_url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert back["prompt"] == text
+    _error(httpx.post(f"{main_url}/detokenize", json={"tokens": [10**6]}), 400)
+
+
+def test_both_replicas_serve(client: openai.OpenAI, main_url: str) -> None:
+    def one(_: int) -> int:
+        return client.completions.create(model=MODEL, prompt="hi", max_tokens=8).usage.total_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            list(pool.map(one, range(16)))
+            replicas = _stats(main_url)
+            if all(r["num_steps"] > 0 for r in replicas):
+                break
+    assert len({r["replica_id"] for r in replicas}) == 2
+    assert all(r["num_steps"] > 0 for r in replicas), replicas
+
+
+# ---- the limited app: API key, waiting-queue bound ----------------------------------------
+
+
+@pytest.fixture(scope="class")
+def limited_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    from pagedray.cluster.openai_app import build_app
+
+    args = {
+        **IN_PROCESS,
+        "model": tiny_llama,
+        "api_key": API_KEY,
+        "max_num_seqs": 1,
+        "max_num_waiting": 1,
+    }
+    yield from _deploy(serve_url, "limited", build_app(args))
+
+
+class TestLimitedApp:
+    def test_wrong_api_key_is_refused(self, limited_url: str) -> None:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        url = f"{limited_url}/v1/completions"
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            error = _error(httpx.post(url, json=body, headers=headers), 401)
+            assert error["code"] == 401
+        wrong = openai.OpenAI(base_url=f"{limited_url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{limited_url}/v1", api_key=API_KEY, max_retries=0)
+        assert right.completions.create(**body).usage.completion_tokens == 2
+
+    def test_full_waiting_queue_gives_503(self, limited_url: str) -> None:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        url = f"{limited_url}/v1/completions"
+        small = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        with httpx.stream("POST", url, json={**LONG, "stream": True}, headers=headers) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(httpx.post, url, json=small, headers=headers, timeout=60)
+                deadline = time.monotonic() + 10
+                while _stats(limited_url)[0]["num_waiting"] < 1:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                error = _error(httpx.post(url, json=small, headers=headers), 503)
+                assert "waiting queue is full" in error["message"]
+                running.close()  # the long request is aborted, so the waiting one runs
+                assert waiting.result().status_code == 200
+        assert httpx.post(url, json=small, headers=headers).status_code == 200
+
+
+# ---- the broken app: an engine whose step raises ------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def broken_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    def faulty_builder(config: Any) -> tuple[Any, Any, Any, Any]:
+        from pagedray.cluster.engine_factory import build_engine
+
+        engine, executor, tokenizer, validator = build_engine(config)
+
+        def step() -> list[Any]:
+            raise RuntimeError("injected step failure")
+
+        engine.step = step
+        return engine, executor, tokenizer, validator
+
+    from pagedray.cluster.config import EngineConfig
+    from pagedray.cluster.openai_app import build_openai_app
+
+    args = {k: v for k, v in IN_PROCESS.items() if k != "ingress_num_cpus"}
+    app = build_openai_app(
+        EngineConfig(**args, model=tiny_llama),
+        ingress_num_cpus=0.1,
+        engine_builder=faulty_builder,  # a nested function: Ray pickles it by value
+        health_check_period_s=60.0,  # keep Serve from replacing the replica during the test
+    )
+    yield from _deploy(serve_url, "broken", app)
+
+
+class TestDeadEngine:
+    def test_dead_engine_fails_requests_and_health(self, broken_url: str) -> None:
+        assert httpx.get(f"{broken_url}/health").status_code == 200
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        url = f"{broken_url}/v1/completions"
+        error = _error(httpx.post(url, json=body, timeout=30), 503)
+        assert "injected step failure" in error["message"]
+        health = _error(httpx.get(f"{broken_url}/health"), 503)
+        assert "injected step failure" in health["message"]
+        # Later requests are refused at once instead of hanging.
+        _error(httpx.post(url, json=body, timeout=10), 503)
+        stream_body = {**body, "stream": True}
+        with httpx.stream("POST", url, json=stream_body, timeout=10) as response:
+            assert response.status_code == 503
+            assert json.loads(response.read())["error"]["code"] == 503
+
+
+# ---- tensor parallelism --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def tp2_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    from pagedray.cluster.openai_app import build_app
+
+    args = {**ENGINE_ARGS, "model": tiny_llama, "tensor_parallel_size": 2}
+    yield from _deploy(serve_url, "tp2", build_app(args))
+
+
+class TestTensorParallel:
+    def test_tp2_matches_tp1_and_frees_blocks(self, tp2_url: str, offline: LLM) -> None:
+        import ray
+
+        # The replica's placement group: its own bundle, then one per rank, on one node.
+        groups = ray.util.placement_group_table().values()
+        assert any(
+            g["state"] == "CREATED"
+            and g["strategy"] == "STRICT_PACK"
+            and list(g["bundles"].values()) == [{"CPU": 1.0}] * 3
+            for g in groups
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        expected = offline.generate("tensor parallel", params, use_tqdm=False)[0].outputs[0]
+        client = openai.OpenAI(base_url=f"{tp2_url}/v1", api_key="unused", max_retries=0)
+        kwargs: dict[str, Any] = dict(
+            model=MODEL,
+            prompt="tensor parallel",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert client.completions.create(**kwargs).choices[0].text == expected.text
+        streamed = client.completions.create(**kwargs, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+        steps_before = _total_steps(tp2_url)
+        with httpx.stream("POST", f"{tp2_url}/v1/completions", json={**LONG, "stream": True}) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        _wait_all_blocks_free(tp2_url, timeout_s=2.0)
+        assert _total_steps(tp2_url) - steps_before < 500

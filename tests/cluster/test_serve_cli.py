@@ -1,0 +1,72 @@
+"""`pagedray serve` flags and the engine deployment's options, without starting anything."""
+
+from __future__ import annotations
+
+import argparse
+
+from ray.serve import Application
+
+from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.engine_deployment import engine_deployment_options
+from pagedray.cluster.openai_app import build_app
+from pagedray.cluster.serve_cli import add_serve_parser, serve_app_args
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_flags_become_app_args(tiny_llama: str) -> None:
+    args = _parse(
+        [
+            tiny_llama,
+            "-tp",
+            "2",
+            "--num-replicas",
+            "3",
+            "--api-key",
+            "k",
+            "--max-num-seqs",
+            "8",
+            "--block-size",
+            "32",
+            "--num-kv-blocks",
+            "100",
+            "--max-num-batched-tokens",
+            "512",
+            "--port",
+            "9000",
+            "--address",
+            "auto",
+        ]
+    )
+    app_args = serve_app_args(args)
+    assert app_args["model"] == tiny_llama
+    assert (app_args["tensor_parallel_size"], app_args["num_replicas"]) == (2, 3)
+    assert (app_args["block_size"], app_args["num_kv_blocks"], app_args["max_num_seqs"]) == (
+        32,
+        100,
+        8,
+    )
+    assert app_args["max_num_batched_tokens"] == 512 and app_args["api_key"] == "k"
+    assert (args.host, args.port, args.address) == ("127.0.0.1", 9000, "auto")
+    assert isinstance(build_app(app_args), Application)
+
+
+def test_no_model_means_the_default() -> None:
+    args = _parse([])
+    assert "model" not in serve_app_args(args)  # build_app then serves default_model_path()
+
+
+def test_each_replica_reserves_its_tp_group(tiny_llama: str) -> None:
+    config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, device="cpu")
+    options = engine_deployment_options(config, num_replicas=2)
+    assert options["placement_group_bundles"] == [{"CPU": 1}] * 3
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["num_replicas"] == 2
+    scaled = engine_deployment_options(config, autoscaling_config={"min_replicas": 1})
+    assert "num_replicas" not in scaled and scaled["autoscaling_config"] == {"min_replicas": 1}
+    in_process = EngineConfig(model=tiny_llama, use_ray_workers=False, device="cpu")
+    assert engine_deployment_options(in_process)["placement_group_bundles"] == [{"CPU": 1}]
