@@ -110,6 +110,9 @@ def _worker(rank: int, world_size: int, init_method: str, paths: list[str]) -> N
                     got, want, atol=1e-4, rtol=0, msg=lambda m, path=path: f"{path}: {m}"
                 )
     finally:
+        # NOTE: both ranks leave together: gloo aborts a rank whose peer tears the group down
+        # while it is still finishing (rank 0 also runs the TP=1 model after each case).
+        torch.distributed.barrier()
         parallel_state.destroy()
 
 
