@@ -8,11 +8,12 @@ BLOCK_Q query tokens x all query heads of one KV head (GQA), flattened into BLOC
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from pagedray.attention.triton_paged_tile import dot_in_fp32, dot_precision, load_kv_tile
 
 TILE_N = 32  # context tokens per loop iteration; independent of the cache's block_size
 
@@ -47,7 +48,7 @@ def _prefill_attention_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # see _dot_in_fp32
+    DOT_IN_FP32: tl.constexpr,  # see triton_paged_tile.dot_in_fp32
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (no silent tf32), else "tf32"
 ):
     kv_head = tl.program_id(1)
@@ -86,26 +87,24 @@ def _prefill_attention_kernel(
     for tile_start in range(0, kv_end, TILE_N):
         pos = tile_start + offs_n  # [TILE_N] key positions
         pos_mask = pos < kv_end
-        # NOTE: block ids go to int64 before the multiply; block_id * stride passes 2^31 on
-        # large pools.
-        block_ids = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0)
-        block_ids = block_ids.to(tl.int64)
-        token_in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = pos_mask[:, None] & dim_mask[None, :]
-        k_offs = (
-            block_ids[:, None] * stride_k_block
-            + token_in_block[:, None] * stride_k_token
-            + kv_head * stride_k_head
-            + offs_d[None, :]
+        k, v = load_kv_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_row,
+            pos,
+            pos_mask,
+            dim_mask,
+            offs_d,
+            kv_head,
+            stride_k_block,
+            stride_k_token,
+            stride_k_head,
+            stride_v_block,
+            stride_v_token,
+            stride_v_head,
+            BLOCK_SIZE,
         )
-        v_offs = (
-            block_ids[:, None] * stride_v_block
-            + token_in_block[:, None] * stride_v_token
-            + kv_head * stride_v_head
-            + offs_d[None, :]
-        )
-        k = tl.load(key_cache_ptr + k_offs, mask=kv_mask, other=0.0).to(dot_dtype)
-        v = tl.load(value_cache_ptr + v_offs, mask=kv_mask, other=0.0).to(dot_dtype)
+        k, v = k.to(dot_dtype), v.to(dot_dtype)  # [TILE_N, HEAD_DIM_PADDED]
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
         causal = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :] & row_mask[:, None]
@@ -146,7 +145,7 @@ def prefill_attention(
     assert num_heads % num_kv_heads == 0, "query heads must split evenly over KV heads"
     group = num_heads // num_kv_heads
     group_padded = triton.next_power_of_2(group)
-    dot_in_fp32 = _dot_in_fp32(key_cache.dtype)
+    upcast = dot_in_fp32(key_cache.dtype)
     query_lens = [b - a for a, b in itertools.pairwise(query_start_loc_cpu)]
     # Taller tiles amortise K/V loads over more rows for prefill; short rows waste less on decodes.
     block_m = 64 if max(query_lens, default=0) * group_padded >= 64 else 16
@@ -190,17 +189,7 @@ def prefill_attention(
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
-        DOT_IN_FP32=dot_in_fp32,
-        DOT_PRECISION="ieee" if dot_in_fp32 or key_cache.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=upcast,
+        DOT_PRECISION=dot_precision(key_cache.dtype),
     )
     return out
-
-
-def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Whether tl.dot must take fp32 operands instead of the cache dtype.
-
-    NOTE: Triton's CPU interpreter keeps bfloat16 as raw uint16 bits and multiplies those in
-    tl.dot (triton-lang/triton#11584), so under TRITON_INTERPRET=1 bf16 tiles are upcast first.
-    Compiled kernels always use the cache dtype.
-    """
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
