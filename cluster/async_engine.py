@@ -13,13 +13,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.output_processor import ChoiceDelta, OutputProcessor, RequestState
 from pagedray.scheduler.engine_core import EngineCore
-from pagedray.scheduler.request import EngineRequest
+from pagedray.scheduler.request import EngineRequest, Request
 from pagedray.scheduler.sampling_params import SamplingParams
 
 # A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
 DEFAULT_STUCK_AFTER_S = 120.0
+# NOTE: Ray drops a gauge not recorded again within two metrics export intervals (20 s by
+# default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
+METRICS_REFRESH_S = 1.0
 
 
 class EngineOverloadedError(RuntimeError):
@@ -56,10 +60,13 @@ class AsyncEngine:
         engine: EngineCore,
         output_processor: OutputProcessor,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        metrics: EngineMetrics | None = None,
     ) -> None:
+        """`metrics`, when given, is recorded every step and at every request's finish."""
         self.engine = engine
         self.output_processor = output_processor
         self.stuck_after_s = stuck_after_s
+        self.metrics = metrics
         self.max_num_waiting: int | None = engine.scheduler.config.max_num_waiting
         self._streams: dict[str, asyncio.Queue[RequestStepOutput | BaseException]] = {}
         self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
@@ -69,6 +76,9 @@ class AsyncEngine:
         self._step_started: float | None = None  # time.monotonic() while a step is in flight
         self._error: BaseException | None = None
         self._stats = self.engine.stats()  # a snapshot, refreshed only while no step runs
+        # Scheduler-side state of live requests, kept for their queue time (only with metrics).
+        self._requests: dict[str, Request] = {}
+        self._last_output_time: float | None = None  # time.monotonic() of the last token step
 
     def start(self) -> None:
         """Start the loop on the running event loop (idempotent)."""
@@ -104,7 +114,12 @@ class AsyncEngine:
                 f"the waiting queue is full ({self.max_num_waiting} requests); retry later"
             )
         engine_request = EngineRequest(
-            request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt
+            request_id,
+            list(prompt_token_ids),
+            params,
+            arrival_time=time.time(),  # now, not when the step in flight ends
+            priority=priority,
+            cache_salt=cache_salt,
         )
         self._pending[request_id] = _PendingRequest(engine_request, prompt)
         queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
@@ -160,10 +175,14 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_pending()
+                if self.metrics is not None:
+                    self.metrics.record_stats(self._stats)
                 if not self.engine.has_unfinished_requests():
+                    self._last_output_time = None  # an idle gap is no inter-token latency
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    await self._wait_for_work()
                     continue
+                num_steps = self.engine.num_steps
                 self._step_started = time.monotonic()
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
@@ -173,6 +192,8 @@ class AsyncEngine:
                 if stopped:
                     self.engine.stop_requests(stopped)
                 self._stats = self.engine.stats()
+                if self.metrics is not None and self.engine.num_steps > num_steps:
+                    self._record_step(len(outputs))
                 self._publish(deltas)
         except asyncio.CancelledError:
             raise
@@ -180,12 +201,22 @@ class AsyncEngine:
             self._error = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
 
+    async def _wait_for_work(self) -> None:
+        """Sleep until woken; with metrics, at most `METRICS_REFRESH_S` (gauges stay exported)."""
+        assert self._wakeup is not None
+        if self.metrics is None:
+            await self._wakeup.wait()
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), METRICS_REFRESH_S)
+
     def _apply_pending(self) -> None:
         """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
         if self._pending_aborts:
             aborts, self._pending_aborts = list(self._pending_aborts), set()
             self.engine.abort_requests(aborts)
             for request_id in aborts:
+                self._record_aborted(request_id)
                 self.output_processor.abort(request_id)
         pending, self._pending = list(self._pending.values()), {}
         for item in pending:
@@ -198,9 +229,12 @@ class AsyncEngine:
             except ValueError as exc:
                 self._fail(request.req_id, exc)
                 continue
-            self.output_processor.add_request(
+            state = self.output_processor.add_request(
                 request.req_id, item.prompt, request.prompt_token_ids, request.sampling_params
             )
+            state.arrival_time = request.arrival_time
+            if self.metrics is not None:
+                self._requests[request.req_id] = self.engine.scheduler.requests[request.req_id]
         self._stats = self.engine.stats()
 
     def _publish(self, deltas: list[ChoiceDelta]) -> None:
@@ -221,11 +255,53 @@ class AsyncEngine:
                     "first_token_time": state.first_token_time or 0.0,
                     "finish_time": state.finish_time or 0.0,
                 }
+                self._record_finished(state)
             queue = self._streams.get(request_id)
             if queue is not None:
                 queue.put_nowait(output)
                 if output.finished:
                     del self._streams[request_id]
+
+    # ---- metrics: a few calls per step and per request, never per token -------------------
+
+    def _record_step(self, num_outputs: int) -> None:
+        assert self.metrics is not None
+        # NOTE: one output per sequence that sampled, one token each. One inter-token latency
+        # per step, not per token: every sequence that also got a token in the previous token
+        # step waited this same interval (a step of first tokens only would count one too).
+        inter_token_latency = None
+        if num_outputs:
+            now = self.engine.last_step_time
+            if self._last_output_time is not None:
+                inter_token_latency = now - self._last_output_time
+            self._last_output_time = now
+        self.metrics.record_step(
+            self.engine.last_step_duration,
+            self.engine.last_batch_size,
+            num_outputs,
+            inter_token_latency,
+        )
+
+    def _record_finished(self, state: RequestState) -> None:
+        request = self._requests.pop(state.request_id, None)
+        if self.metrics is None:
+            return
+        finish_time = state.finish_time or time.time()
+        self.metrics.record_finished(
+            # NOTE: an n > 1 request counts once, with its first choice's reason.
+            finished_reason=state.choices[0].finish_reason or "unknown",
+            num_prompt_tokens=len(state.prompt_token_ids),
+            arrival_time=state.arrival_time,
+            scheduled_time=request.scheduled_time if request is not None else None,
+            first_token_time=state.first_token_time or finish_time,
+            finish_time=finish_time,
+        )
+
+    def _record_aborted(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        state = self.output_processor.requests.get(request_id)
+        if self.metrics is not None and state is not None and state.first_token_time is not None:
+            self.metrics.record_prefilled(len(state.prompt_token_ids))
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         queue = self._streams.pop(request_id, None)
@@ -234,6 +310,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         self._pending.clear()
+        self._requests.clear()
         for request_id in list(self._streams):
             self.output_processor.abort(request_id)
             self._fail(request_id, exc)

@@ -8,6 +8,7 @@ loop. More replicas = more independent engines; Serve routes requests among them
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
@@ -21,6 +22,7 @@ from pagedray.cluster.async_engine import (
     RequestStepOutput,
 )
 from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.output_processor import OutputProcessor
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 
@@ -53,7 +55,11 @@ class EngineDeployment:
 
             engine_builder = build_engine
         engine, self.executor, tokenizer, _ = engine_builder(self.config)
-        self.engine = AsyncEngine(engine, OutputProcessor(tokenizer), stuck_after_s)
+        # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
+        model_name = self.config.served_model_name or Path(self.config.model).name
+        self.engine = AsyncEngine(
+            engine, OutputProcessor(tokenizer), stuck_after_s, metrics=EngineMetrics(model_name)
+        )
         self.replica_id = _replica_id()
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[RequestStepOutput]:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
 APP_NAME = "pagedray"
+# As deploy/ (`ray start --metrics-export-port=8080`), so deploy/prometheus/ scrapes either.
+DEFAULT_METRICS_EXPORT_PORT = 8080
 
 
 def add_serve_parser(commands: Any) -> None:
@@ -33,6 +36,12 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--api-key", default=os.environ.get("PAGEDRAY_API_KEY"))
     parser.add_argument(
         "--address", default=None, help="Ray cluster to join ('auto'); default: start a local one"
+    )
+    parser.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=DEFAULT_METRICS_EXPORT_PORT,
+        help="the local Ray's Prometheus endpoint (a joined cluster keeps its `ray start` port)",
     )
     parser.set_defaults(func=run_serve)
 
@@ -69,10 +78,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if local:
         engines = args.max_replicas or args.num_replicas
         num_cpus = engines * (1 + args.tensor_parallel_size) + 1  # + the ingress
+        _check_port_free(args.metrics_export_port, "--metrics-export-port")
         ray.init(
             address="local",
             num_cpus=max(os.cpu_count() or 1, num_cpus),
             include_dashboard=True,
+            _metrics_export_port=args.metrics_export_port,
         )
     else:
         ray.init(address=args.address)
@@ -88,6 +99,16 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         _shut_down(local)
     return 0
+
+
+def _check_port_free(port: int, flag: str) -> None:
+    """Fail fast: Ray given a busy metrics port only times out starting, 30 s later."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            raise SystemExit(f"pagedray: {flag} {port} is not free ({exc.strerror})") from None
 
 
 def _shut_down(local: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from typing import Iterable
 
 from pagedray.scheduler.config import SchedulerConfig
@@ -167,8 +168,9 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission (not a preempted one's return)
                 req.num_cached_tokens = num_hit
+                req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self._add_running(req)
             self._emit(req, allocation, new_reqs, cached)

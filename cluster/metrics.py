@@ -1,0 +1,169 @@
+"""pagedray's Prometheus metrics, every one defined here and recorded with `ray.util.metrics`.
+
+Names follow vLLM's. Ray exports each as `ray_<name>` (counters add `_total`, histograms
+`_bucket`/`_sum`/`_count`): exactly `grafana_dashboard.METRIC_NAMES`, which a test checks.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+TAG_KEYS = ("model_name",)
+# vLLM's buckets (seconds); inter-token latency and step time start lower, for fast GPUs.
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024]
+
+# The scheduler's cumulative stats exported as counters: `Scheduler.stats()` keys, and the
+# names of the counter attributes below.
+_CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+# What a request finishes with (`RequestStatus.finish_reason`; aborts are no success).
+FINISHED_REASONS = ("stop", "length")
+
+
+class EngineMetrics:
+    """One engine's metrics, tagged with its model name. `AsyncEngine` records them.
+
+    Per loop iteration a few calls (`record_stats`, `record_step`), per request one call at its
+    finish (`record_finished`): nothing per token, since the loop is the engine's hot path.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        tags = {"model_name": model_name}
+
+        def gauge(name: str, description: str) -> Gauge:
+            return Gauge(name, description, TAG_KEYS).set_default_tags(tags)
+
+        def counter(name: str, description: str, tag_keys: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, description, TAG_KEYS + tag_keys).set_default_tags(tags)
+
+        def histogram(name: str, description: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, description, buckets, TAG_KEYS).set_default_tags(tags)
+
+        self.num_requests_running = gauge(
+            "pagedray_num_requests_running", "Sequences in the running batch."
+        )
+        self.num_requests_waiting = gauge(
+            "pagedray_num_requests_waiting", "Requests waiting to be scheduled (or preempted)."
+        )
+        self.kv_cache_usage_perc = gauge(
+            "pagedray_kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1."
+        )
+        self.prefix_cache_queries = counter(
+            "pagedray_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "pagedray_prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.num_preemptions = counter(
+            "pagedray_num_preemptions", "Sequences preempted (blocks freed, recomputed later)."
+        )
+        self.prompt_tokens = counter("pagedray_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("pagedray_generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "pagedray_request_success", "Requests finished, by finish reason.", ("finished_reason",)
+        )
+        self.time_to_first_token = histogram(
+            "pagedray_time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "pagedray_inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence (one observation per step).",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "pagedray_e2e_request_latency_seconds",
+            "Arrival to last token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "pagedray_request_queue_time_seconds", "Arrival to first schedule.", TTFT_BUCKETS
+        )
+        self.step_time = histogram(
+            "pagedray_step_time_seconds", "One schedule, forward, update iteration.", ITL_BUCKETS
+        )
+        self.batch_size = histogram(
+            "pagedray_batch_size", "Sequences per step.", BATCH_SIZE_BUCKETS
+        )
+        self._last_totals = dict.fromkeys(_CUMULATIVE_STATS, 0.0)
+        for metric in vars(self).values():
+            if isinstance(metric, Counter) and metric is not self.request_success:
+                _export_zero(metric)
+        for reason in FINISHED_REASONS:
+            _export_zero(self.request_success, {"finished_reason": reason})
+
+    def record_stats(self, stats: dict[str, float]) -> None:
+        """Gauges from a scheduler stats snapshot; its cumulative counts become counter deltas."""
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        self.kv_cache_usage_perc.set(stats["kv_usage"])
+        for key in _CUMULATIVE_STATS:
+            delta = stats[key] - self._last_totals[key]
+            if delta > 0:  # Counter.inc refuses 0
+                getattr(self, key).inc(delta)
+                self._last_totals[key] = stats[key]
+
+    def record_step(
+        self,
+        step_time: float,
+        batch_size: int,
+        num_generation_tokens: int,
+        inter_token_latency: float | None,
+    ) -> None:
+        """One step that ran on the workers; `inter_token_latency` None when nothing decoded."""
+        self.step_time.observe(step_time)
+        self.batch_size.observe(batch_size)
+        if num_generation_tokens > 0:
+            self.generation_tokens.inc(num_generation_tokens)
+        if inter_token_latency is not None:
+            self.inter_token_latency.observe(inter_token_latency)
+
+    def record_prefilled(self, num_prompt_tokens: int) -> None:
+        """An aborted request whose prompt was prefilled: its prompt tokens still count."""
+        if num_prompt_tokens > 0:
+            self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_finished(
+        self,
+        finished_reason: str,
+        num_prompt_tokens: int,
+        arrival_time: float,
+        scheduled_time: float | None,
+        first_token_time: float,
+        finish_time: float,
+    ) -> None:
+        """A request that finished (all its choices); times are time.time() seconds."""
+        self.request_success.inc(tags={"finished_reason": finished_reason})
+        self.record_prefilled(num_prompt_tokens)
+        self.time_to_first_token.observe(max(first_token_time - arrival_time, 0.0))
+        self.e2e_request_latency.observe(max(finish_time - arrival_time, 0.0))
+        if scheduled_time is not None:
+            self.request_queue_time.observe(max(scheduled_time - arrival_time, 0.0))
+
+    def prometheus_names(self) -> list[str]:
+        """The names Ray's Prometheus endpoint exports these metrics under."""
+        names = []
+        for metric in vars(self).values():
+            if isinstance(metric, Counter):
+                names.append(f"ray_{metric.info['name']}_total")
+            elif isinstance(metric, (Gauge, Histogram)):
+                names.append(f"ray_{metric.info['name']}")
+        return names
+
+
+def _export_zero(counter: Counter, tags: dict[str, str] | None = None) -> None:
+    # NOTE: Ray exports a series only once something is recorded, and `Counter.inc` refuses 0:
+    # without this, a counter that never moved (preemptions) would be absent from Prometheus and
+    # its dashboard panel would show "No data" instead of 0.
+    counter._record(0.0, tags)

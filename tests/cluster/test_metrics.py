@@ -1,0 +1,257 @@
+"""Engine metrics: the names the dashboard queries, what `AsyncEngine` records (through fakes),
+and the same metrics read back from the Ray session's own Prometheus endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import time
+import urllib.request
+import uuid
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from pagedray.cluster import async_engine
+from pagedray.cluster.async_engine import AsyncEngine
+from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.engine_factory import build_engine
+from pagedray.cluster.grafana_dashboard import METRIC_NAMES
+from pagedray.cluster.metrics import EngineMetrics
+from pagedray.cluster.output_processor import OutputProcessor
+from pagedray.cluster.serve_cli import add_serve_parser
+from pagedray.scheduler.sampling_params import SamplingParams
+
+MAX_TOKENS = 5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Ray's metrics agent exports every metrics_report_interval_ms (10 s by default).
+EXPORT_TIMEOUT_S = 30.0
+
+
+class _Recorder:
+    """Stands in for a Ray metric: keeps every value it is given."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[float, dict[str, str] | None]] = []
+
+    def set(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self.values.append((value, tags))
+
+    inc = observe = set
+
+    @property
+    def total(self) -> float:
+        return sum(value for value, _ in self.values)
+
+    @property
+    def last(self) -> float:
+        return self.values[-1][0]
+
+
+def _recording_metrics() -> tuple[EngineMetrics, dict[str, _Recorder]]:
+    metrics = EngineMetrics("fake")
+    recorders = {}
+    for attr, metric in list(vars(metrics).items()):
+        if isinstance(metric, (Gauge, Counter, Histogram)):
+            recorders[attr] = _Recorder()
+            setattr(metrics, attr, recorders[attr])
+    return metrics, recorders
+
+
+def _engine(model: str, metrics: EngineMetrics) -> tuple[AsyncEngine, Any]:
+    config = EngineConfig(model=model, num_kv_blocks=32, num_threads=1)
+    engine, _executor, tokenizer, _validator = build_engine(config)
+    return AsyncEngine(engine, OutputProcessor(tokenizer), metrics=metrics), tokenizer
+
+
+async def _serve(engine: AsyncEngine, prompts: list[list[int]]) -> None:
+    """The first prompt alone (its blocks get cached), then the others together."""
+
+    async def drain(i: int) -> None:
+        async for _ in engine.add_request(f"r{i}", prompts[i], GREEDY):
+            pass
+
+    await drain(0)
+    await asyncio.gather(*(drain(i) for i in range(1, len(prompts))))
+    await asyncio.sleep(0.05)  # the loop records the idle state before it sleeps
+
+
+def _prompts(tokenizer: Any) -> list[list[int]]:
+    shared = tokenizer.encode("a shared system prompt " * 6)  # > one 16-token block
+    return [shared + tokenizer.encode(tail) for tail in ("one", "two three", "four five six")]
+
+
+def test_exported_names_are_the_dashboards() -> None:
+    assert EngineMetrics("m").prometheus_names() == list(METRIC_NAMES)
+
+
+def test_serve_sets_the_metrics_export_port() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve"]).metrics_export_port == 8080
+    assert parser.parse_args(["serve", "--metrics-export-port", "9101"]).metrics_export_port == 9101
+
+
+def test_serve_refuses_a_busy_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    def init(**_: Any) -> None:
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = parser.parse_args(["serve", "--metrics-export-port", str(busy.getsockname()[1])])
+        with pytest.raises(SystemExit, match="--metrics-export-port .* is not free"):
+            args.func(args)
+
+
+def test_scheduler_totals_become_counter_deltas() -> None:
+    metrics, recorders = _recording_metrics()
+    stats = {"num_running": 2, "num_waiting": 1, "kv_usage": 0.5}
+    for queries, hits, preemptions in ((0, 0, 0), (48, 16, 0), (48, 16, 1), (80, 48, 1)):
+        totals = {"prefix_cache_queries": queries, "prefix_cache_hits": hits}
+        metrics.record_stats({**stats, **totals, "num_preemptions": preemptions})
+    assert [v for v, _ in recorders["prefix_cache_queries"].values] == [48, 32]
+    assert [v for v, _ in recorders["prefix_cache_hits"].values] == [16, 32]
+    assert [v for v, _ in recorders["num_preemptions"].values] == [1]
+    assert recorders["kv_cache_usage_perc"].last == 0.5
+    metrics.record_step(0.01, 1, 0, None)  # a step of prefill chunks only
+    metrics.record_prefilled(0)
+    assert not recorders["generation_tokens"].values and not recorders["prompt_tokens"].values
+
+
+def test_engine_records_steps_and_finished_requests(tiny_llama: str) -> None:
+    metrics, recorders = _recording_metrics()
+    engine, tokenizer = _engine(tiny_llama, metrics)
+    prompts = _prompts(tokenizer)
+
+    async def run() -> None:
+        await _serve(engine, prompts)
+        await engine.shutdown()
+
+    asyncio.run(run())
+    num_steps = engine.engine.num_steps
+    assert len(recorders["step_time"].values) == len(recorders["batch_size"].values) == num_steps
+    # Each sequence is in one prefill step (short prompts) and MAX_TOKENS - 1 decode steps.
+    assert recorders["batch_size"].total == len(prompts) * MAX_TOKENS
+    assert recorders["generation_tokens"].total == len(prompts) * MAX_TOKENS
+    assert recorders["prompt_tokens"].total == sum(len(p) for p in prompts)
+    # Two busy stretches: every token step but the first of each follows another.
+    assert len(recorders["inter_token_latency"].values) == num_steps - 2
+    assert [tags for _, tags in recorders["request_success"].values] == [
+        {"finished_reason": "length"}
+    ] * len(prompts)
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert len(recorders[name].values) == len(prompts), name
+    ttft = sorted(v for v, _ in recorders["time_to_first_token"].values)
+    e2e = sorted(v for v, _ in recorders["e2e_request_latency"].values)
+    queue = sorted(v for v, _ in recorders["request_queue_time"].values)
+    assert all(0 <= q <= t <= e < 60 for q, t, e in zip(queue, ttft, e2e))
+    assert recorders["prefix_cache_hits"].total >= 16 * (len(prompts) - 1)
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert recorders[gauge].last == 0, gauge
+
+
+def test_aborted_request_counts_its_prefilled_prompt(tiny_llama: str) -> None:
+    metrics, recorders = _recording_metrics()
+    engine, tokenizer = _engine(tiny_llama, metrics)
+    prompt = tokenizer.encode("hello there")
+
+    async def run() -> None:
+        stream = engine.add_request("long", prompt, SamplingParams(max_tokens=500))
+        await stream.__anext__()  # its first token: the prompt was prefilled
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+
+    asyncio.run(run())
+    assert recorders["prompt_tokens"].total == len(prompt)
+    assert not recorders["request_success"].values and not engine._requests
+    assert recorders["kv_cache_usage_perc"].last == 0
+
+
+def test_idle_engine_keeps_its_gauges_exported(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(async_engine, "METRICS_REFRESH_S", 0.02)
+    metrics, recorders = _recording_metrics()
+    engine, _tokenizer = _engine(tiny_llama, metrics)
+
+    async def run() -> None:
+        engine.start()
+        await asyncio.sleep(0.3)
+        await engine.shutdown()
+
+    asyncio.run(run())
+    assert len(recorders["kv_cache_usage_perc"].values) >= 5
+    assert not recorders["step_time"].values
+
+
+def _scrape(model_name: str) -> dict[str, float]:
+    """This Ray node's Prometheus endpoint: `name{finished_reason}` → value, for one model."""
+    import ray
+
+    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model_name") != model_name or "le" in sample.labels:
+                continue
+            key = sample.name
+            if "finished_reason" in sample.labels:
+                key += f"{{{sample.labels['finished_reason']}}}"
+            values[key] = values.get(key, 0.0) + sample.value  # summed over workers
+    return values
+
+
+def test_ray_exports_what_the_engine_records(ray_cluster: Any, tiny_llama: str) -> None:
+    model_name = f"metrics-{uuid.uuid4().hex[:8]}"  # apart from other tests' engines
+    engine, tokenizer = _engine(tiny_llama, EngineMetrics(model_name))
+    prompts = _prompts(tokenizer)
+    num = float(len(prompts))
+
+    async def run() -> tuple[dict[str, float], dict[str, float]]:
+        await _serve(engine, prompts)
+        expected = {
+            "ray_pagedray_time_to_first_token_seconds_count": num,
+            "ray_pagedray_e2e_request_latency_seconds_count": num,
+            "ray_pagedray_request_queue_time_seconds_count": num,
+            "ray_pagedray_request_success_total{length}": num,
+            "ray_pagedray_generation_tokens_total": num * MAX_TOKENS,
+            "ray_pagedray_prompt_tokens_total": float(sum(len(p) for p in prompts)),
+            "ray_pagedray_step_time_seconds_count": float(engine.engine.num_steps),
+            "ray_pagedray_batch_size_count": float(engine.engine.num_steps),
+            "ray_pagedray_num_requests_running": 0.0,
+            "ray_pagedray_num_requests_waiting": 0.0,
+            "ray_pagedray_kv_cache_usage_perc": 0.0,
+        }
+        # The engine stays up (idle, refreshing its gauges) while Ray exports.
+        deadline = time.monotonic() + EXPORT_TIMEOUT_S
+        values = await asyncio.to_thread(_scrape, model_name)
+        while any(values.get(k) != v for k, v in expected.items()):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+            values = await asyncio.to_thread(_scrape, model_name)
+        await engine.shutdown()
+        return expected, values
+
+    expected, values = asyncio.run(run())
+    assert {k: values.get(k) for k in expected} == expected
+    exported = {name.removesuffix("{length}") for name in values}
+    for name in METRIC_NAMES:
+        series = name if name in exported else f"{name}_count"
+        assert series in exported, f"{name} is not exported"
+    assert values["ray_pagedray_prefix_cache_hits_total"] >= 16 * (len(prompts) - 1)
+    assert values["ray_pagedray_prefix_cache_queries_total"] >= sum(len(p) for p in prompts)
+    assert values["ray_pagedray_inter_token_latency_seconds_count"] > 0
