@@ -255,3 +255,28 @@ def test_ray_exports_what_the_engine_records(ray_cluster: Any, tiny_llama: str) 
     assert values["ray_pagedray_prefix_cache_hits_total"] >= 16 * (len(prompts) - 1)
     assert values["ray_pagedray_prefix_cache_queries_total"] >= sum(len(p) for p in prompts)
     assert values["ray_pagedray_inter_token_latency_seconds_count"] > 0
+
+
+# The names operators' dashboards and alerts are built on. Changing one breaks them: a rename
+# must be a deliberate change of this list (and a release note), never a side effect.
+STABLE_PROMETHEUS_NAMES = (
+    "ray_pagedray_num_requests_running",
+    "ray_pagedray_num_requests_waiting",
+    "ray_pagedray_kv_cache_usage_perc",
+    "ray_pagedray_prefix_cache_queries_total",
+    "ray_pagedray_prefix_cache_hits_total",
+    "ray_pagedray_num_preemptions_total",
+    "ray_pagedray_prompt_tokens_total",
+    "ray_pagedray_generation_tokens_total",
+    "ray_pagedray_request_success_total",
+    "ray_pagedray_time_to_first_token_seconds",
+    "ray_pagedray_inter_token_latency_seconds",
+    "ray_pagedray_e2e_request_latency_seconds",
+    "ray_pagedray_request_queue_time_seconds",
+    "ray_pagedray_step_time_seconds",
+    "ray_pagedray_batch_size",
+)
+
+
+def test_metric_names_are_not_renamed_under_operators() -> None:
+    assert sorted(EngineMetrics("m").prometheus_names()) == sorted(STABLE_PROMETHEUS_NAMES)
