@@ -1,4 +1,4 @@
-"""Per-step dispatch overhead of the Ray executor: plain actor calls against a Compiled Graph.
+"""Per-step dispatch overhead of the Ray executor: actor calls, a Compiled Graph, named pipes.
 
 Each round trip sends an empty `SchedulerOutput` (no tokens scheduled: the workers update an
 empty batch and return at once) to every tensor-parallel rank and waits for rank 0's output,
@@ -18,11 +18,9 @@ import time
 
 from pagedray.cluster.default_model import make_model
 from pagedray.cluster.placement import ensure_ray
-from pagedray.cluster.ray_executor import RayExecutor
+from pagedray.cluster.ray_executor import DISPATCHES, RayExecutor
 from pagedray.scheduler.messages import CachedRequestData, SchedulerOutput
 from pagedray.workers.worker_config import WorkerConfig
-
-DISPATCHES = ("actor", "compiled")
 
 
 def empty_step(step_id: int) -> SchedulerOutput:
@@ -75,10 +73,11 @@ def main() -> None:
         )
         print(f"TP={args.tp}, {args.steps} steps after {args.warmup} warm-up, empty plans")
         medians: dict[str, list[float]] = {dispatch: [] for dispatch in DISPATCHES}
-        # Paths alternate round by round, so a burst of load elsewhere hits both alike.
+        # Paths alternate round by round, so a burst of load elsewhere hits them all alike.
         for _ in range(args.rounds):
             for dispatch in DISPATCHES:
                 executor = RayExecutor(config, dispatch=dispatch)
+                assert executor.dispatch == dispatch, f"{dispatch} fell back to {executor.dispatch}"
                 try:
                     times = measure(executor, args.steps, args.warmup)
                 finally:

@@ -39,7 +39,9 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1)  # torch threads per worker on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     use_ray_workers: bool = False  # run even a single rank as a Ray actor (the serving path)
-    dispatch: Literal["actor", "compiled"] = "compiled"  # how a step reaches the worker actors
+    # How a step reaches the worker actors: named pipes on the node, a Ray Compiled Graph, or
+    # plain actor calls (see cluster/ray_executor.py).
+    dispatch: Literal["actor", "compiled", "pipe"] = "pipe"
 
     def resolved_max_model_len(self) -> int:
         """The model's context limit, lowered by `max_model_len` and any sliding window."""

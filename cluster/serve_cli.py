@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import typing
 from typing import Any
 
 APP_NAME = "pagedray"
@@ -20,6 +21,9 @@ DEFAULT_METRICS_EXPORT_PORT = 8080
 def add_serve_parser(commands: Any) -> None:
     """Register the `serve` subcommand (called by `cli.main`)."""
     from pagedray.cluster.cli import add_engine_args
+    from pagedray.cluster.config import EngineConfig
+
+    dispatch = EngineConfig.model_fields["dispatch"]
 
     parser = commands.add_parser("serve", help="serve the OpenAI API over HTTP with Ray Serve")
     add_engine_args(parser)
@@ -30,7 +34,12 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--max-num-waiting", type=int, default=None, help="503 beyond this")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dispatch", default="compiled", choices=["compiled", "actor"])
+    parser.add_argument(
+        "--dispatch",
+        default=dispatch.default,
+        choices=list(typing.get_args(dispatch.annotation)),
+        help="how each step reaches the worker actors",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PAGEDRAY_API_KEY"))

@@ -2,15 +2,19 @@
 
 The constructor does nothing heavy, so the executor can first ask rank 0 where it lives and
 which port is free, then start every rank's `Worker` against that rendezvous at the same time.
+Steps arrive as actor calls, through a compiled graph's loop, or on a pipe thread
+(cluster/pipe_dispatch.py); whichever way, one step runs at a time.
 """
 
 from __future__ import annotations
 
 import pickle
 import socket
+import threading
 
 import ray
 
+from pagedray.cluster.pipe_dispatch import PipeWorkerLoop
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.worker import Worker
 from pagedray.workers.worker_config import WorkerConfig
@@ -22,9 +26,16 @@ class WorkerActor:
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
+        self.pipe_loop: PipeWorkerLoop | None = None
+        # NOTE: the pipe loop's thread runs steps next to the actor's own method calls; the
+        # executor drives one path at a time, and this lock keeps it so even if it did not.
+        self._step_lock = threading.Lock()
 
     def get_actor_id(self) -> str:
         return ray.get_runtime_context().get_actor_id()
+
+    def get_node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def get_node_ip_and_free_port(self) -> tuple[str, int]:
         """This node's IP and a TCP port free right now, for rank 0's `tcp://ip:port`."""
@@ -47,7 +58,7 @@ class WorkerActor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None (less to send)."""
-        output = self._worker.execute_model(scheduler_output)
+        output = self._execute(scheduler_output)
         return output if self._worker.rank == 0 else None
 
     def execute_model_compiled(self, scheduler_output: bytes) -> bytes | None:
@@ -60,9 +71,23 @@ class WorkerActor:
         output = self.execute_model(pickle.loads(scheduler_output))
         return None if output is None else pickle.dumps(output, pickle.HIGHEST_PROTOCOL)
 
+    def open_pipe_channel(self, plan_path: str, reply_path: str) -> None:
+        """Open this rank's end of the driver's FIFOs (the driver holds the reply read end)."""
+        assert self.pipe_loop is None, "a pipe channel is already open"
+        self.pipe_loop = PipeWorkerLoop(self._worker.rank, plan_path, reply_path, self._execute)
+
+    def start_pipe_loop(self) -> None:
+        """Start reading plans, once the driver has opened the plan FIFO for writing."""
+        assert self.pipe_loop is not None, "open_pipe_channel must run first"
+        self.pipe_loop.start()
+
     def ping(self, value: object = None) -> object:
         """Echo: for liveness checks and for measuring bare dispatch cost."""
         return value
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self._step_lock:
+            return self._worker.execute_model(scheduler_output)
 
     @property
     def _worker(self) -> Worker:

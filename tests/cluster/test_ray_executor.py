@@ -1,5 +1,7 @@
 """Tensor parallelism over Ray worker actors: TP=2 (gloo) greedy tokens equal TP=1 and
-transformers, both dispatch paths agree, and shutdown leaves no actor or placement group behind.
+transformers, the three dispatch paths agree, and shutdown leaves no actor, placement group or
+FIFO behind. The pipe path's failure handling runs against the real model and against scripted
+fake ranks (any message size, a rank that fails while another is stuck, a rank that dies).
 
 Shapes that stress the sharding: 2 KV heads, 1 KV head (replicated across ranks) and a
 vocabulary (517) that does not split evenly over the ranks.
@@ -7,7 +9,9 @@ vocabulary (517) that does not split evenly over the ranks.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
 
 import pytest
@@ -16,8 +20,10 @@ from transformers import AutoModelForCausalLM
 
 from pagedray import LLM, SamplingParams
 from pagedray.cluster.default_model import make_model
+from pagedray.cluster.pipe_dispatch import PipeDispatcher, PipeWorkerLoop, WorkerStepError
 from pagedray.cluster.placement import reserve_placement
-from pagedray.cluster.ray_executor import RayExecutor
+from pagedray.cluster.ray_executor import DISPATCHES, RayExecutor
+from pagedray.scheduler.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.worker_config import WorkerConfig
 
 MAX_NEW = 8
@@ -111,18 +117,149 @@ def test_tp2_greedy_matches_tp1_and_transformers(ray_cluster, tp_models, model):
 def test_dispatch_paths_agree_and_shut_down_cleanly(ray_cluster, tiny_llama):
     prompts = _prompts()
     tokens = {}
-    for dispatch in ("actor", "compiled"):
+    for dispatch in DISPATCHES:
         llm = LLM(tiny_llama, tensor_parallel_size=2, dtype="float32", dispatch=dispatch)
         executor = llm.executor
+        assert executor.dispatch == dispatch  # pipes did not fall back: one node
         actor_ids = list(executor.actor_ids)
         assert len(actor_ids) == 2 and set(actor_ids) <= _alive_actor_ids()
+        pipe_dir = getattr(executor._dispatcher, "pipe_dir", None)
         try:
             tokens[dispatch] = _generate(llm, prompts)
         finally:
             llm.shutdown()
         _assert_shut_down(executor, actor_ids)
         llm.shutdown()  # idempotent
-    assert tokens["actor"] == tokens["compiled"]
+        if dispatch == "pipe":
+            assert pipe_dir is not None and not os.path.exists(pipe_dir)
+    assert tokens["actor"] == tokens["compiled"] == tokens["pipe"]
+
+
+def _plan(step_id: int, scheduled: dict[str, int], finished: list[str]) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=step_id,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        blocks_to_copy=[],
+        finished_req_ids=finished,
+    )
+
+
+def test_pipe_dispatch_carries_big_plans_and_raises_a_rank_error(ray_cluster, tiny_llama):
+    config = WorkerConfig(tiny_llama, dtype="float32", tensor_parallel_size=2, num_kv_blocks=8)
+    executor = RayExecutor(config, dispatch="pipe")
+    actor_ids = list(executor.actor_ids)
+    try:
+        # Far beyond a 64 KiB pipe buffer; unknown finished req_ids are ignored by the runner.
+        unknown = [f"gone-{i}" for i in range(40_000)]
+        assert executor.execute_model(_plan(0, {}, unknown)).step_id == 0
+        # A req_id the workers never saw: the runner raises KeyError on every rank.
+        with pytest.raises(WorkerStepError, match="in step 1: KeyError") as failure:
+            executor.execute_model(_plan(1, {"never-added": 1}, []))
+        assert isinstance(failure.value.__cause__, KeyError)
+        with pytest.raises(RuntimeError, match="an earlier step failed"):
+            executor.execute_model(_plan(2, {}, []))
+    finally:
+        executor.shutdown()
+    _assert_shut_down(executor, actor_ids)
+
+
+def _fake_ranks(num_ranks: int) -> list:
+    """Actors that run the real pipe loop over a scripted step: commands in finished_req_ids."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class FakeRank:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+            self.loop: PipeWorkerLoop | None = None
+
+        def open_pipe_channel(self, plan_path: str, reply_path: str) -> None:
+            self.loop = PipeWorkerLoop(self.rank, plan_path, reply_path, self.execute)
+
+        def start_pipe_loop(self) -> None:
+            self.loop.start()
+
+        def ping(self) -> None:
+            return None
+
+        def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+            if f"fail-{self.rank}" in plan.finished_req_ids:
+                raise ValueError(f"rank {self.rank} told to fail")
+            if f"hang-{self.rank}" in plan.finished_req_ids:
+                time.sleep(3600)  # as if waiting in a collective for a rank that failed
+            # Echo the plan's ids back: a reply as big as the plan.
+            return ModelRunnerOutput(plan.step_id, plan.finished_req_ids, [], [])
+
+    ranks = [FakeRank.remote(rank) for rank in range(num_ranks)]
+    ray.get([rank.ping.remote() for rank in ranks])
+    return ranks
+
+
+def _kill(ranks: list) -> None:
+    import ray
+
+    for rank in ranks:
+        ray.kill(rank, no_restart=True)
+
+
+def test_pipe_dispatch_big_replies_and_a_failing_rank_while_rank0_is_stuck(ray_cluster):
+    ranks = _fake_ranks(2)
+    dispatcher = PipeDispatcher(ranks)
+    try:
+        assert not os.path.exists(dispatcher.pipe_dir)  # FIFOs unlinked once opened
+        ids = [f"req-{i}" for i in range(50_000)]  # ~0.5 MB each way
+        assert dispatcher.execute_model(_plan(7, {}, ids)).req_ids == ids
+        start = time.monotonic()
+        with pytest.raises(WorkerStepError, match="rank 1 failed in step 8: ValueError"):
+            dispatcher.execute_model(_plan(8, {}, ["hang-0", "fail-1"]))
+        assert time.monotonic() - start < 30  # not a hang
+    finally:
+        dispatcher.shutdown()
+        dispatcher.shutdown()  # idempotent
+        _kill(ranks)
+
+
+def test_pipe_dispatch_reports_a_dead_rank_and_a_shutdown_mid_step(ray_cluster):
+    import ray
+
+    ranks = _fake_ranks(2)
+    dispatcher = PipeDispatcher(ranks)
+    try:
+        # Shut down from another thread while rank 0 is stuck: the step returns an error.
+        errors: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                dispatcher.execute_model(_plan(0, {}, ["hang-0"]))
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        time.sleep(0.5)
+        dispatcher.shutdown()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        assert "shut down during a step" in str(errors[0])
+        with pytest.raises(RuntimeError, match="shut down"):
+            dispatcher.execute_model(_plan(1, {}, []))
+    finally:
+        dispatcher.shutdown()
+        _kill(ranks)
+    ranks = _fake_ranks(2)
+    dispatcher = PipeDispatcher(ranks)
+    try:
+        ray.kill(ranks[1], no_restart=True)
+        with pytest.raises(RuntimeError, match="rank 1 closed its (plan|reply) pipe"):
+            for step_id in range(100):  # the kill lands within a few steps
+                dispatcher.execute_model(_plan(step_id, {}, []))
+                time.sleep(0.05)
+    finally:
+        dispatcher.shutdown()
+        _kill(ranks)
 
 
 def test_single_rank_as_ray_actor_matches_in_process(ray_cluster, tiny_llama):
