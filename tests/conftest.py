@@ -33,6 +33,37 @@ def tiny_llama(tiny_models: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_greedy():
+    """transformers' own greedy `generate` for a checkpoint (EOS off: fixed-length outputs),
+    memoized per (path, prompts, max_new_tokens): the reference our engine must equal."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[tuple, list[list[int]]] = {}
+
+    def generate(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        key = (path, tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in cache:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model.generation_config.eos_token_id = None
+            outputs = []
+            with torch.inference_mode():
+                for prompt in prompts:
+                    ids = torch.tensor([prompt])
+                    out = model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
+                    outputs.append(out[0, len(prompt) :].tolist())
+            cache[key] = outputs
+        return cache[key]
+
+    return generate
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for the whole session; shut down at the end so nothing is left running."""
     import ray

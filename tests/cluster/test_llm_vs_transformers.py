@@ -9,8 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from pagedray import LLM, SamplingParams
 from pagedray.cluster.default_model import ARCHS
@@ -27,29 +25,6 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     prompts.append(shared + [rng.randrange(10, vocab) for _ in range(9)])  # shares a block
     prompts.append(shared + [rng.randrange(10, vocab) for _ in range(14)])
     return prompts
-
-
-_HF_CACHE: dict[str, list[list[int]]] = {}
-
-
-def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    if path not in _HF_CACHE:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        model.generation_config.eos_token_id = None  # compare fixed-length outputs
-        outputs = []
-        with torch.inference_mode():
-            for prompt in prompts:
-                ids = torch.tensor([prompt])
-                out = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=MAX_NEW,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                outputs.append(out[0, len(prompt) :].tolist())
-        _HF_CACHE[path] = outputs
-    return _HF_CACHE[path]
 
 
 def _ours(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[list[int]], dict]:
@@ -69,17 +44,17 @@ CONFIGS = {
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_tokens_identical_to_transformers(tiny_models, arch, config):
+def test_greedy_tokens_identical_to_transformers(tiny_models, arch, config, hf_greedy):
     path = tiny_models[arch]
     prompts = _prompts(vocab=500)
-    expected = _hf_greedy(path, prompts)
+    expected = hf_greedy(path, prompts, MAX_NEW)
     ours, stats = _ours(path, prompts, **CONFIGS[config])
     assert ours == expected
     if config == "preemption":
         assert stats["num_preemptions"] > 0
 
 
-def test_prefix_cache_rerun_gives_same_tokens(tiny_llama):
+def test_prefix_cache_rerun_gives_same_tokens(tiny_llama, hf_greedy):
     prompts = _prompts(vocab=500)
     llm = LLM(tiny_llama, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -87,5 +62,5 @@ def test_prefix_cache_rerun_gives_same_tokens(tiny_llama):
     first = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
     hits_before = llm.stats()["prefix_cache_hits"]
     second = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
-    assert second == first == _hf_greedy(tiny_llama, prompts)
+    assert second == first == hf_greedy(tiny_llama, prompts, MAX_NEW)
     assert llm.stats()["prefix_cache_hits"] > hits_before

@@ -15,8 +15,6 @@ import threading
 import time
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from pagedray import LLM, SamplingParams
 from pagedray.cluster.default_model import make_model
@@ -45,24 +43,6 @@ def tp_models(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict
 def _prompts() -> list[list[int]]:
     rng = random.Random(3)
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # compare fixed-length outputs
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -99,7 +79,7 @@ def _assert_shut_down(executor: RayExecutor, actor_ids: list[str]) -> None:
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_one_kv_head", "llama_vocab_517"])
-def test_tp2_greedy_matches_tp1_and_transformers(ray_cluster, tp_models, model):
+def test_tp2_greedy_matches_tp1_and_transformers(ray_cluster, tp_models, model, hf_greedy):
     path = tp_models[model]
     prompts = _prompts()
     tp1 = LLM(path, dtype="float32")
@@ -111,7 +91,7 @@ def test_tp2_greedy_matches_tp1_and_transformers(ray_cluster, tp_models, model):
         tp2_tokens = _generate(tp2, prompts)
     finally:
         tp2.shutdown()
-    assert tp2_tokens == tp1_tokens == _hf_greedy(path, prompts)
+    assert tp2_tokens == tp1_tokens == hf_greedy(path, prompts, MAX_NEW)
 
 
 def test_dispatch_paths_agree_and_shut_down_cleanly(ray_cluster, tiny_llama):
