@@ -26,6 +26,7 @@ COUNTERS = (
     "ray_pagedray_prompt_tokens_total",
     "ray_pagedray_generation_tokens_total",
     "ray_pagedray_request_success_total",  # tag finished_reason
+    "ray_pagedray_http_requests_total",  # the ingress's; tags route, status
 )
 HISTOGRAMS = (
     "ray_pagedray_time_to_first_token_seconds",
@@ -34,6 +35,7 @@ HISTOGRAMS = (
     "ray_pagedray_request_queue_time_seconds",
     "ray_pagedray_step_time_seconds",
     "ray_pagedray_batch_size",
+    "ray_pagedray_http_request_latency_seconds",  # the ingress's; tag route
 )
 METRIC_NAMES = GAUGES + COUNTERS + HISTOGRAMS
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -61,12 +63,15 @@ def _target(expr: str, legend: str, ref_id: str) -> dict[str, Any]:
     }
 
 
-def _quantile_exprs(histogram: str) -> list[tuple[str, str]]:
-    """p50/p90/p99 over all replicas of the selected models, from the `_bucket` series."""
-    buckets = f"sum by (le, model_name) ({_rate(histogram + '_bucket')})"
+def _quantile_exprs(
+    histogram: str, quantiles: tuple[float, ...] = QUANTILES, by: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
+    """Quantiles over all replicas of the selected models (and per `by` label), from `_bucket`."""
+    labels = ", ".join(("le", *by, "model_name"))
+    legend = " ".join(f"{{{{{label}}}}}" for label in (*by, "model_name"))
+    buckets = f"sum by ({labels}) ({_rate(histogram + '_bucket')})"
     return [
-        (f"histogram_quantile({q}, {buckets})", f"p{round(q * 100)} {{{{model_name}}}}")
-        for q in QUANTILES
+        (f"histogram_quantile({q}, {buckets})", f"p{round(q * 100)} {legend}") for q in quantiles
     ]
 
 
@@ -199,6 +204,23 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
             *_quantile_exprs("ray_pagedray_batch_size"),
         ],
     ),
+    (
+        "HTTP requests by status",
+        "reqps",
+        "API requests the ingress answered per second, by HTTP status.",
+        [
+            (
+                f"sum by (model_name, status) ({_rate('ray_pagedray_http_requests_total')})",
+                "{{status}} {{model_name}}",
+            ),
+        ],
+    ),
+    (
+        "HTTP request latency",
+        "s",
+        "Request received to response sent (a stream's last chunk), per route.",
+        _quantile_exprs("ray_pagedray_http_request_latency_seconds", (0.5, 0.99), ("route",)),
+    ),
 ]
 
 
@@ -281,7 +303,7 @@ def build_dashboard() -> dict[str, Any]:
     return {
         "uid": DASHBOARD_UID,
         "title": "pagedray",
-        "description": "pagedray LLM serving: throughput, latency, KV cache, scheduler.",
+        "description": "pagedray LLM serving: throughput, latency, KV cache, scheduler, HTTP.",
         "tags": ["pagedray", "llm", "ray"],
         "timezone": "browser",
         "editable": True,

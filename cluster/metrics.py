@@ -1,4 +1,5 @@
-"""pagedray's Prometheus metrics, every one defined here and recorded with `ray.util.metrics`.
+"""pagedray's Prometheus metrics, every one defined here and recorded with `ray.util.metrics`:
+the engine's (`EngineMetrics`) and the HTTP ingress's (`IngressMetrics`).
 
 Names follow vLLM's. Ray exports each as `ray_<name>` (counters add `_total`, histograms
 `_bucket`/`_sum`/`_count`): exactly `grafana_dashboard.METRIC_NAMES`, which a test checks.
@@ -29,6 +30,11 @@ BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 51
 _CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 # What a request finishes with (`RequestStatus.finish_reason`; aborts are no success).
 FINISHED_REASONS = ("stop", "length")
+# The ingress's series exported as 0 before the first request: each generation route with each
+# status the ingress answers it with (ok, bad request, bad API key, unknown model, engine error,
+# engine overloaded or dead).
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+HTTP_STATUSES = ("200", "400", "401", "404", "500", "503")
 
 
 class EngineMetrics:
@@ -153,13 +159,52 @@ class EngineMetrics:
 
     def prometheus_names(self) -> list[str]:
         """The names Ray's Prometheus endpoint exports these metrics under."""
-        names = []
-        for metric in vars(self).values():
-            if isinstance(metric, Counter):
-                names.append(f"ray_{metric.info['name']}_total")
-            elif isinstance(metric, (Gauge, Histogram)):
-                names.append(f"ray_{metric.info['name']}")
-        return names
+        return _prometheus_names(self)
+
+
+class IngressMetrics:
+    """One ingress replica's metrics, tagged with its model name: one call per answered request.
+
+    `HTTPMetricsMiddleware` records them, so every route and every status is covered.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        tags = {"model_name": model_name}
+        self.http_requests = Counter(
+            "pagedray_http_requests",
+            "API requests answered, by route and HTTP status.",
+            TAG_KEYS + ("route", "status"),
+        ).set_default_tags(tags)
+        # TTFT's buckets: from a refusal in a millisecond to a generation of minutes.
+        self.http_request_latency = Histogram(
+            "pagedray_http_request_latency_seconds",
+            "Request received to response sent (a stream's last chunk), by route.",
+            TTFT_BUCKETS,
+            TAG_KEYS + ("route",),
+        ).set_default_tags(tags)
+        for route in GENERATION_ROUTES:
+            for status in HTTP_STATUSES:
+                _export_zero(self.http_requests, {"route": route, "status": status})
+
+    def record(self, route: str, status: int, latency: float) -> None:
+        """One answered request: its route template, HTTP status and seconds to answer."""
+        self.http_requests.inc(tags={"route": route, "status": str(status)})
+        self.http_request_latency.observe(latency, tags={"route": route})
+
+    def prometheus_names(self) -> list[str]:
+        """The names Ray's Prometheus endpoint exports these metrics under."""
+        return _prometheus_names(self)
+
+
+def _prometheus_names(metrics: EngineMetrics | IngressMetrics) -> list[str]:
+    names = []
+    for metric in vars(metrics).values():
+        if isinstance(metric, Counter):
+            names.append(f"ray_{metric.info['name']}_total")
+        elif isinstance(metric, (Gauge, Histogram)):
+            names.append(f"ray_{metric.info['name']}")
+    return names
 
 
 def _export_zero(counter: Counter, tags: dict[str, str] | None = None) -> None:

@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS, engine_deployment
 from pagedray.cluster.engine_factory import load_tokenizer, make_validator
+from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +45,7 @@ from pagedray.cluster.openai_responses import (
 )
 from pagedray.cluster.openai_serving import (
     EngineStreams,
+    HTTPMetricsMiddleware,
     LogprobFormatter,
     bad_request,
     engine_error_response,
@@ -57,6 +59,15 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 CONTROL_TIMEOUT_S = 10.0
 
 app = FastAPI(title="pagedray", description="OpenAI-compatible LLM serving on Ray")
+
+
+def _replica_metrics() -> IngressMetrics:
+    # NOTE: middleware runs outside the routes, so it finds this replica's `OpenAIIngress` the
+    # way Serve's class-based routes do: in the replica context.
+    return serve.get_replica_context().servable_object.metrics
+
+
+app.add_middleware(HTTPMetricsMiddleware, metrics_of=_replica_metrics)
 
 
 def _json(payload: BaseModel | dict[str, Any]) -> Response:
@@ -87,6 +98,7 @@ class OpenAIIngress:
         self.validator = make_validator(self.config, self.tokenizer, self.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.api_key = api_key
+        self.metrics = IngressMetrics(self.model_name)
 
     # ---- generation ------------------------------------------------------------------------
 

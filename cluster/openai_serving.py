@@ -1,4 +1,5 @@
-"""Serving helpers: the merged engine streams, usage, logprob formats, SSE framing, error JSON.
+"""Serving helpers: the merged engine streams, usage, logprob formats, SSE framing, error JSON,
+and the middleware that records the ingress's metrics.
 
 One client request may be several engine requests (a batch of completion prompts); their streams
 are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them.
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.cluster.async_engine import RequestStepOutput
+from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.openai_protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -195,3 +199,47 @@ def _field_of(message: str) -> str | None:
 
 def engine_error_response(error: dict[str, Any]) -> JSONResponse:
     return error_response(error["status"], error["message"], error["type"], error.get("param"))
+
+
+class HTTPMetricsMiddleware:
+    """Counts and times every request a route answers, into `metrics_of()`'s `IngressMetrics`.
+
+    Plain ASGI rather than a route wrapper: it sees the status of every answer (errors included),
+    a stream ends when its last chunk is sent, and an exception is Starlette's 500. Requests no
+    route matches (unknown paths) are not counted: their paths would be unbounded label values.
+    """
+
+    def __init__(self, app: ASGIApp, metrics_of: Callable[[], IngressMetrics]) -> None:
+        self.app = app
+        self.metrics_of = metrics_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # until a response starts
+        recorded = False
+
+        def record() -> None:
+            nonlocal recorded
+            route = getattr(scope.get("route"), "path", None)  # the router sets it on a match
+            if route is not None and not recorded:
+                self.metrics_of().record(route, status, time.perf_counter() - start)
+            recorded = True
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        except Exception:
+            # NOTE: before the response started, Starlette answers 500; after, the client keeps
+            # the status it was sent (a stream cut short). A cancelled request is not answered.
+            record()
+            raise

@@ -1,5 +1,6 @@
-"""Engine metrics: the names the dashboard queries, what `AsyncEngine` records (through fakes),
-and the same metrics read back from the Ray session's own Prometheus endpoint."""
+"""Engine and ingress metrics: the names the dashboard queries, what `AsyncEngine` and the
+ingress middleware record (through fakes), and the engine's read back from the Ray session's own
+Prometheus endpoint (the ingress's, through Serve: tests/cluster/test_openai_server.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import uuid
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util.metrics import Counter, Gauge, Histogram
 
@@ -20,7 +24,8 @@ from pagedray.cluster.async_engine import AsyncEngine
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.engine_factory import build_engine
 from pagedray.cluster.grafana_dashboard import METRIC_NAMES
-from pagedray.cluster.metrics import EngineMetrics
+from pagedray.cluster.metrics import EngineMetrics, IngressMetrics
+from pagedray.cluster.openai_serving import HTTPMetricsMiddleware, error_response
 from pagedray.cluster.output_processor import OutputProcessor
 from pagedray.cluster.serve_cli import add_serve_parser
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -84,8 +89,14 @@ def _prompts(tokenizer: Any) -> list[list[int]]:
     return [shared + tokenizer.encode(tail) for tail in ("one", "two three", "four five six")]
 
 
+def _exported_names() -> list[str]:
+    return EngineMetrics("m").prometheus_names() + IngressMetrics("m").prometheus_names()
+
+
 def test_exported_names_are_the_dashboards() -> None:
-    assert EngineMetrics("m").prometheus_names() == list(METRIC_NAMES)
+    names = _exported_names()
+    assert len(set(names)) == len(names)
+    assert sorted(names) == sorted(METRIC_NAMES)
 
 
 def test_serve_sets_the_metrics_export_port() -> None:
@@ -195,6 +206,59 @@ def test_idle_engine_keeps_its_gauges_exported(
     assert not recorders["step_time"].values
 
 
+STREAM_CHUNK_DELAY_S = 0.1
+
+
+def _recorded_app() -> tuple[TestClient, _Recorder, _Recorder]:
+    """A FastAPI app behind the middleware, and the ingress's request counter and latencies."""
+    metrics = IngressMetrics("fake")
+    metrics.http_requests = requests = _Recorder()  # type: ignore[assignment]
+    metrics.http_request_latency = latencies = _Recorder()  # type: ignore[assignment]
+    app = FastAPI()
+    app.add_middleware(HTTPMetricsMiddleware, metrics_of=lambda: metrics)
+
+    @app.post("/v1/completions")
+    async def completions(bad: bool = False) -> Any:
+        return error_response(400, "prompt: bad") if bad else {"ok": True}
+
+    @app.get("/stream/{name}")
+    async def stream(name: str) -> StreamingResponse:
+        async def chunks() -> Any:
+            for _ in range(3):
+                await asyncio.sleep(STREAM_CHUNK_DELAY_S)
+                yield f"data: {name}\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    return TestClient(app, raise_server_exceptions=False), requests, latencies
+
+
+def test_ingress_records_every_answer_by_route_template() -> None:
+    client, requests, latencies = _recorded_app()
+    assert client.post("/v1/completions").status_code == 200
+    assert client.post("/v1/completions?bad=true").status_code == 400
+    assert client.get("/v1/completions").status_code == 405
+    assert client.get("/stream/x").text.count("data: x") == 3
+    assert client.get("/boom").status_code == 500
+    assert client.get("/unknown").status_code == 404  # no route: not counted
+    answered = [
+        ("/v1/completions", "200"),
+        ("/v1/completions", "400"),
+        ("/v1/completions", "405"),
+        ("/stream/{name}", "200"),
+        ("/boom", "500"),
+    ]
+    assert requests.values == [(1.0, {"route": r, "status": s}) for r, s in answered]
+    assert [tags for _, tags in latencies.values] == [{"route": r} for r, _ in answered]
+    # A stream is timed to its last chunk, not to its headers.
+    assert latencies.values[3][0] >= 3 * STREAM_CHUNK_DELAY_S
+    assert all(0 <= latency < 10 for latency, _ in latencies.values)
+
+
 def _scrape(model_name: str) -> dict[str, float]:
     """This Ray node's Prometheus endpoint: `name{finished_reason}` → value, for one model."""
     import ray
@@ -249,7 +313,7 @@ def test_ray_exports_what_the_engine_records(ray_cluster: Any, tiny_llama: str) 
     expected, values = asyncio.run(run())
     assert {k: values.get(k) for k in expected} == expected
     exported = {name.removesuffix("{length}") for name in values}
-    for name in METRIC_NAMES:
+    for name in engine.metrics.prometheus_names():
         series = name if name in exported else f"{name}_count"
         assert series in exported, f"{name} is not exported"
     assert values["ray_pagedray_prefix_cache_hits_total"] >= 16 * (len(prompts) - 1)
@@ -275,8 +339,10 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_request_queue_time_seconds",
     "ray_pagedray_step_time_seconds",
     "ray_pagedray_batch_size",
+    "ray_pagedray_http_requests_total",
+    "ray_pagedray_http_request_latency_seconds",
 )
 
 
 def test_metric_names_are_not_renamed_under_operators() -> None:
-    assert sorted(EngineMetrics("m").prometheus_names()) == sorted(STABLE_PROMETHEUS_NAMES)
+    assert sorted(_exported_names()) == sorted(STABLE_PROMETHEUS_NAMES)

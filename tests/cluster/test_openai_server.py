@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray import LLM, SamplingParams
 
@@ -30,6 +31,8 @@ ENGINE_ARGS: dict[str, Any] = {
 }
 # The in-process worker: one process fewer for apps that do not test the worker path.
 IN_PROCESS = {**ENGINE_ARGS, "use_ray_workers": False}
+# Ray's metrics agent exports every metrics_report_interval_ms (10 s by default).
+EXPORT_TIMEOUT_S = 30.0
 
 
 def _free_port() -> int:
@@ -254,6 +257,47 @@ def test_engine_serves_after_errors(client: openai.OpenAI, main_url: str) -> Non
         client.completions.create(model="unknown", prompt="hi", max_tokens=4)
     response = client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
     assert response.usage.completion_tokens == 4
+
+
+def _ingress_series() -> dict[str, float]:
+    """Ray's Prometheus endpoint: the ingress's series of MODEL, `name{route,status}` → value."""
+    import ray
+
+    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if labels.get("model_name") != MODEL or "route" not in labels or "le" in labels:
+                continue
+            key = f"{sample.name}{{{labels['route']},{labels.get('status', '')}}}"
+            values[key] = values.get(key, 0.0) + sample.value  # summed over replicas
+    return values
+
+
+def test_ingress_counts_answers_by_status(main_url: str) -> None:
+    before = _ingress_series()
+    url = f"{main_url}/v1/completions"
+    ok = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    _error(httpx.post(url, json={"prompt": "hi", "n": 0}), 400)
+    counter = "ray_pagedray_http_requests_total"
+    # At least: other tests' answers may be exported with ours.
+    least = {
+        f"{counter}{{/v1/completions,200}}": 1.0,
+        f"{counter}{{/v1/completions,400}}": 1.0,
+        "ray_pagedray_http_request_latency_seconds_count{/v1/completions,}": 2.0,
+    }
+    least = {key: before.get(key, 0.0) + increase for key, increase in least.items()}
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+    after = _ingress_series()
+    while any(after.get(key, 0.0) < value for key, value in least.items()):
+        assert time.monotonic() < deadline, {key: after.get(key) for key in least}
+        time.sleep(1.0)
+        after = _ingress_series()
+    # Exported before any such answer, so an error-rate query has its series from the start.
+    assert f"{counter}{{/v1/chat/completions,503}}" in after
 
 
 # ---- cancellation, health, stats ----------------------------------------------------------
