@@ -1,0 +1,458 @@
+"""HTTP throughput: `pagedray serve` driven by the official OpenAI client, against `LLM.generate`.
+
+The seeded ShareGPT-like workload of `offline_throughput.py` (greedy, EOS ignored, per-request
+output lengths) runs offline through `LLM.generate`, then through a `pagedray serve` subprocess on
+its own local Ray: every request at once to /v1/completions, without and with streaming.
+
+    .venv/bin/python benchmarks/http_throughput.py            # 64 requests, a few minutes
+    .venv/bin/python benchmarks/http_throughput.py --quick    # 16 short requests, a smoke run
+    .venv/bin/python benchmarks/http_throughput.py --tp2      # also tensor_parallel_size=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+# NOTE: run as a script, this directory is on sys.path: the workload is the offline benchmark's.
+from offline_throughput import (
+    FULL_OUTPUT,
+    FULL_PROMPT,
+    NUM_CHECKED,
+    QUICK_OUTPUT,
+    QUICK_PROMPT,
+    Workload,
+    make_workload,
+    timed,
+)
+
+from pagedray.cluster.default_model import default_model_path
+
+# Seconds between /health polls while the server starts.
+POLL_S = 1.0
+# Seconds the server gets to exit after each signal before the next, harsher one.
+EXIT_WAIT_S = 30.0
+# Other processes' CPU use, as a share of all the machine's CPUs, above which a run is flagged.
+CONTENDED = 0.1
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc times are in these per second
+
+
+@dataclass
+class Run:
+    """One timed pass of the workload through one system."""
+
+    name: str
+    tp: int  # tensor_parallel_size
+    wall_s: float  # seconds, first submission to the last result
+    num_output_tokens: int  # generated tokens, as the system reports them
+    texts: list[str]  # generated text per request
+    token_counts: list[int]  # generated tokens per request
+    others_cpu_s: float  # CPU seconds other processes used during the run (see OtherCpu)
+    ttft_s: list[float] = field(default_factory=list)  # per request, streaming only
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.num_output_tokens / self.wall_s
+
+    @property
+    def others_share(self) -> float:
+        """Other processes' CPU use as a share of every CPU over the run's wall time."""
+        return self.others_cpu_s / (self.wall_s * (os.cpu_count() or 1))
+
+
+# ---- CPU contention (Linux /proc) ------------------------------------------------------------
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command (state, ppid, pgrp, session, ...); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # The command is parenthesised and may itself contain spaces or parentheses.
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def session_pids(session: int) -> list[int]:
+    """Live (not zombie) processes in `session`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields is not None and fields[0] != "Z" and int(fields[3]) == session:
+            pids.append(int(entry))
+    return pids
+
+
+class OtherCpu:
+    """CPU seconds used by processes outside `sessions` over a `with` block: the machine's busy
+    time less that of the processes in them (ours, Ray's and the server's).
+
+    A run-queue sampler (as `offline_throughput.py` has) would count the server as another
+    process; this reads /proc only at the start and the end. Processes of ours that exit
+    within the block are missed, and so counted as others'.
+    """
+
+    def __init__(self, sessions: list[int]) -> None:
+        self.sessions = sessions
+        self.others_s = 0.0
+
+    def _snapshot(self) -> tuple[float, float]:
+        with open("/proc/stat") as stat:
+            # cpu user nice system idle iowait irq softirq steal ...
+            times = [int(x) for x in stat.readline().split()[1:9]]
+        busy = sum(times) - times[3] - times[4]
+        ours = 0
+        for pid in (pid for session in self.sessions for pid in session_pids(session)):
+            fields = _stat_fields(pid)
+            ours += int(fields[11]) + int(fields[12]) if fields else 0  # utime + stime
+        return busy / CLOCK_TICKS, ours / CLOCK_TICKS
+
+    def __enter__(self) -> OtherCpu:
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (busy_start, ours_start), (busy_end, ours_end) = self._start, self._snapshot()
+        self.others_s = max(0.0, (busy_end - busy_start) - (ours_end - ours_start))
+
+
+# ---- offline: LLM.generate -------------------------------------------------------------------
+
+
+def run_offline(path: str, workload: Workload, threads: int, tp: int) -> Run:
+    """`LLM.generate` in this process (its TP ranks as Ray actors on a local Ray of our own)."""
+    import ray
+
+    from pagedray import LLM, SamplingParams
+
+    if tp > 1:
+        # NOTE: address="local" always starts a fresh Ray, never joins one already on the machine.
+        ray.init(
+            address="local", num_cpus=max(os.cpu_count() or 1, 1 + tp), include_dashboard=False
+        )
+    llm = None
+    texts: list[str] = []
+
+    def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens
+        ]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        texts[:] = [out.outputs[0].text for out in outputs]
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+    try:
+        llm = LLM(path, dtype="float32", num_threads=threads, tensor_parallel_size=tp)
+        generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
+        with OtherCpu([os.getsid(0)]) as others:
+            result = timed("LLM.generate", lambda: generate(workload.prompts, workload.output_lens))
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        if tp > 1:
+            ray.shutdown()
+    counts = [len(t) for t in result.token_ids]
+    return Run("LLM.generate", tp, result.wall_s, sum(counts), texts, counts, others.others_s)
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`pagedray serve` in a session of its own, with its own local Ray, logging to a file."""
+
+    def __init__(self, path: str, threads: int, tp: int, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        executable = Path(sys.executable).with_name("pagedray")
+        command = [
+            str(executable) if executable.exists() else "pagedray",
+            "serve",
+            path,
+            "--port",
+            str(self.port),
+            "--metrics-export-port",
+            str(free_port()),
+            "--num-threads",
+            str(threads),
+            "--dtype",
+            "float32",
+            "--tensor-parallel-size",
+            str(tp),
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
+        self.log_path = log_dir / f"serve_tp{tp}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        # start_new_session: the server and all it starts form a session apart from ours.
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until GET /health answers 200; raises if the server exits or takes too long."""
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(POLL_S)
+        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> str:
+        """SIGINT to the server (a graceful Serve and Ray shutdown), then SIGTERM and SIGKILL to
+        each process left in its session, each step bounded.
+
+        Returns how it went, for the log: the last signal sent and the seconds it all took.
+        """
+        # NOTE: Ray's actors lead process groups of their own, but stay in the server's session,
+        # so the session, not the process group, is what holds everything the server started.
+        # SIGINT goes to the server alone, so that it deletes the app and stops its Ray in order.
+        start, sent = time.perf_counter(), "no signal"
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+            pids = [self.proc.pid] if signum == signal.SIGINT else self._session_pids()
+            if not self._session_pids():
+                break
+            sent = f"{signum.name} to {len(pids)} process(es)"
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                    os.kill(pid, signum)
+            deadline = time.perf_counter() + EXIT_WAIT_S
+            while time.perf_counter() < deadline and self._session_pids():
+                time.sleep(0.2)
+        if left := self._session_pids():
+            print(f"WARNING: server processes {left} are still running")
+        self._log.close()
+        return f"{sent}, {time.perf_counter() - start:.1f} s"
+
+    def _session_pids(self) -> list[int]:
+        self.proc.poll()  # reap the server, so that it does not linger as a zombie
+        return session_pids(self.proc.pid)
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
+# ---- HTTP clients ----------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    text: str
+    completion_tokens: int
+    ttft_s: float | None  # seconds from sending to the first text chunk (streaming only)
+
+
+async def complete(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    stream: bool,
+    salt: str,
+) -> Reply:
+    """One /v1/completions request: greedy, EOS ignored, `max_tokens` generated."""
+    # cache_salt: each pass has its own prefix-cache namespace, so none reuses another's prompts.
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, "cache_salt": salt},
+    )
+    if not stream:
+        response = await client.completions.create(**kwargs)
+        return Reply(response.choices[0].text, response.usage.completion_tokens, None)
+    start = time.perf_counter()
+    chunks = await client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    parts: list[str] = []
+    ttft_s, completion_tokens = None, 0
+    async for chunk in chunks:
+        if chunk.choices:
+            # NOTE: the server sends no chunk for a token whose text is still incomplete.
+            ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - start
+            parts.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+    return Reply("".join(parts), completion_tokens, ttft_s)
+
+
+async def send_all(
+    url: str, workload: Workload, stream: bool, salt: str, sessions: list[int]
+) -> tuple[float, list[Reply], float]:
+    """One untimed warm-up request, then every request at once.
+
+    Returns the wall seconds, the replies, and other processes' CPU seconds meanwhile.
+    """
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600.0
+    )
+    async with client:
+        model = (await client.models.list()).data[0].id
+        warmup = workload.warmup_prompts[0], workload.warmup_output_lens[0]
+        await complete(client, model, *warmup, stream, f"{salt}-warmup")  # not timed
+        with OtherCpu(sessions) as others:
+            start = time.perf_counter()
+            replies = await asyncio.gather(
+                *(
+                    complete(client, model, p, n, stream, salt)
+                    for p, n in zip(workload.prompts, workload.output_lens)
+                )
+            )
+            wall_s = time.perf_counter() - start
+        return wall_s, replies, others.others_s
+
+
+def run_http(server: Server, workload: Workload, stream: bool, tp: int) -> Run:
+    name = "HTTP stream" if stream else "HTTP"
+    sessions = [os.getsid(0), server.proc.pid]
+    wall_s, replies, others_s = asyncio.run(
+        send_all(server.url, workload, stream, f"{name} tp{tp}", sessions)
+    )
+    counts = [r.completion_tokens for r in replies]
+    ttft_s = [r.ttft_s for r in replies if r.ttft_s is not None]
+    texts = [r.text for r in replies]
+    return Run(name, tp, wall_s, sum(counts), texts, counts, others_s, ttft_s)
+
+
+def run_server(path: str, workload: Workload, threads: int, tp: int, timeout_s: float) -> list[Run]:
+    """Start a server, run the workload through it without and with streaming, stop it."""
+    log_dir = Path(tempfile.mkdtemp(prefix="pagedray_http_bench_"))
+    server = Server(path, threads, tp, log_dir)
+    try:
+        startup_s = server.wait_healthy(timeout_s)
+        print(f"server tp={tp} healthy after {startup_s:.0f} s at {server.url}", flush=True)
+        runs = []
+        for stream in (False, True):
+            runs.append(run_http(server, workload, stream, tp))
+            print_progress(runs[-1])
+    except BaseException:
+        print(f"server tp={tp} failed; its log stays at {server.log_path}", flush=True)
+        raise
+    finally:
+        print(f"server tp={tp} stopped ({server.stop()})", flush=True)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return runs
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def print_progress(run: Run) -> None:
+    print(
+        f"{run.name} tp={run.tp}: {run.wall_s:.2f} s wall, {run.output_tok_s:.1f} output tok/s",
+        flush=True,
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def report(workload: Workload, runs: list[Run]) -> None:
+    """The table, TTFTs, and a loose check of output lengths and texts against `LLM.generate`."""
+    offline = {run.tp: run for run in runs if run.name == "LLM.generate"}
+    print()
+    # others: other processes' CPU use over the run, as a share of all the CPUs.
+    print(f"{'system':<20}{'wall s':>9}{'out tok/s':>11}{'vs LLM.generate':>17}{'others':>8}")
+    for run in runs:
+        base = offline.get(run.tp)
+        ratio = f"{run.output_tok_s / base.output_tok_s:.2f}x" if base else "-"
+        label = f"{run.name} tp={run.tp}"
+        others = f"{run.others_share:.0%}"
+        print(f"{label:<20}{run.wall_s:>9.2f}{run.output_tok_s:>11.1f}{ratio:>17}{others:>8}")
+    for run in runs:
+        if run.others_share >= CONTENDED:
+            print(
+                f"WARNING: {run.name} tp={run.tp} shared the CPUs with other processes "
+                f"({run.others_cpu_s:.1f} CPU s of theirs): its wall time is inflated"
+            )
+    for run in runs:
+        if run.ttft_s:
+            print(
+                f"{run.name} tp={run.tp}: TTFT median {statistics.median(run.ttft_s):.2f} s, "
+                f"p90 {percentile(run.ttft_s, 0.9):.2f} s over {len(run.ttft_s)} requests"
+            )
+    print("correctness (loose):")
+    for run in runs:
+        bad = sum(c != n for c, n in zip(run.token_counts, workload.output_lens))
+        verdict = "all equal the targets" if not bad else f"{bad} differ from the targets"
+        line = f"  {run.name} tp={run.tp}: output token counts {verdict}"
+        base = offline.get(run.tp)
+        if base is not None and run is not base:
+            num = min(NUM_CHECKED, len(run.texts))
+            same = sum(run.texts[i] == base.texts[i] for i in range(num))
+            line += f"; text of requests 0-{num - 1} same as LLM.generate: {same}/{num}"
+        print(line)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 short requests: a smoke run")
+    parser.add_argument("--num-requests", type=int, default=None, help="default 64 (16 quick)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads at TP=1")
+    parser.add_argument("--tp2", action="store_true", help="also TP=2, 1 thread per rank")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the workload")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    num_requests = args.num_requests or (16 if args.quick else 64)
+    prompt_dist, output_dist = (
+        (QUICK_PROMPT, QUICK_OUTPUT) if args.quick else (FULL_PROMPT, FULL_OUTPUT)
+    )
+    path = str(default_model_path("llama", "small"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    special = set(tokenizer.all_special_ids)
+    vocab_ids = [i for i in range(len(tokenizer)) if i not in special]
+    workload = make_workload(num_requests, prompt_dist, output_dist, vocab_ids, args.seed)
+    print(f"model {path}, {num_requests} requests, seed {args.seed}")
+    print(f"prompt tokens {workload.num_prompt_tokens}, output tokens {workload.num_output_tokens}")
+    runs: list[Run] = []
+    for tp, threads in [(1, args.threads)] + ([(2, 1)] if args.tp2 else []):
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        print(f"-- tp={tp}, {threads} thread(s) per rank; load average {load}", flush=True)
+        runs.append(run_offline(path, workload, threads, tp))
+        print_progress(runs[-1])
+        runs.extend(run_server(path, workload, threads, tp, args.startup_timeout))
+    report(workload, runs)
+
+
+if __name__ == "__main__":
+    main()
