@@ -46,6 +46,15 @@ class RequestStepOutput:
     error: dict[str, Any] | None = None  # set instead of deltas when the request failed
 
 
+def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
+    """Consecutive outputs of one request as one message (deltas in order, the last's status)."""
+    last = outputs[-1]
+    deltas = [delta for output in outputs for delta in output.deltas]
+    return RequestStepOutput(
+        last.request_id, deltas, last.finished, last.usage, last.metrics, last.error
+    )
+
+
 @dataclass
 class _PendingRequest:
     engine_request: EngineRequest
@@ -334,8 +343,16 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
-                yield item
+                # A reader that fell behind gets what piled up as one output, not many.
+                batch = [item]
+                while not batch[-1].finished and not queue.empty():
+                    queued = queue.get_nowait()
+                    if isinstance(queued, BaseException):
+                        queue.put_nowait(queued)  # raised on the next turn, after this batch
+                        break
+                    batch.append(queued)
+                finished = batch[-1].finished
+                yield batch[0] if len(batch) == 1 else merge_step_outputs(batch)
         finally:
             if not finished:
                 self.abort(request_id)

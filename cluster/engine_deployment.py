@@ -20,6 +20,7 @@ from pagedray.cluster.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
     RequestStepOutput,
+    merge_step_outputs,
 )
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.metrics import EngineMetrics
@@ -83,13 +84,22 @@ class EngineDeployment:
             yield error_output(request_id, exc)
             return
         yield RequestStepOutput(request_id)  # accepted
+        # A client that does not stream gets one message, not one per engine step: every
+        # message through Serve costs the replica, the ingress and the proxy CPU time.
+        collected: list[RequestStepOutput] | None = None if request.get("stream", True) else []
         # NOTE: closing the stream on cancellation or disconnect aborts the request in the engine.
         async with contextlib.aclosing(stream):
             try:
                 async for output in stream:
-                    yield output
+                    if collected is None:
+                        yield output
+                    else:
+                        collected.append(output)
             except Exception as exc:  # noqa: BLE001
+                collected = None
                 yield error_output(request_id, exc)
+        if collected:
+            yield merge_step_outputs(collected)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -122,7 +122,7 @@ class OpenAIIngress:
             include_usage=body.include_usage,
             echo=[self._prompt_text(p) for p in prompts] if body.echo else None,
         )
-        streams = await self._open(ctx.request_id, prompts, params, body.priority)
+        streams = await self._open(ctx.request_id, prompts, params, body.priority, body.stream)
         if isinstance(streams, Response):
             return streams
         if body.stream:
@@ -151,7 +151,7 @@ class OpenAIIngress:
             num_logprobs=params.logprobs,
             include_usage=body.include_usage,
         )
-        streams = await self._open(ctx.request_id, [prompt], params, body.priority)
+        streams = await self._open(ctx.request_id, [prompt], params, body.priority, body.stream)
         if isinstance(streams, Response):
             return streams
         if body.stream:
@@ -272,6 +272,7 @@ class OpenAIIngress:
         prompts: list[ValidatedPrompt],
         params: SamplingParams,
         priority: int,
+        stream: bool,
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt; an error response if any is refused."""
         requests = [
@@ -282,6 +283,7 @@ class OpenAIIngress:
                 "sampling_params": params,
                 "priority": priority,
                 "cache_salt": prompt.cache_salt,
+                "stream": stream,
             }
             for i, prompt in enumerate(prompts)
         ]
