@@ -43,8 +43,14 @@ def _handler(grafana: FakeGrafana) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, {"message": "not found"})
             else:
                 uid = json.loads(body)["dashboard"]["uid"]
-                answer = {"id": 7, "uid": uid, "url": f"/d/{uid}/pagedray", "status": "success",
-                          "version": 1, "slug": "pagedray"}
+                answer = {
+                    "id": 7,
+                    "uid": uid,
+                    "url": f"/d/{uid}/pagedray",
+                    "status": "success",
+                    "version": 1,
+                    "slug": "pagedray",
+                }
                 self._reply(200, answer)
 
         def _reply(self, status: int, payload: dict[str, Any]) -> None:
@@ -102,9 +108,7 @@ def test_push_through_a_cli_parser(grafana: FakeGrafana) -> None:
     """As the `pagedray` CLI wires it: add_dashboard_parser on its subparsers."""
     parser = argparse.ArgumentParser(prog="pagedray")
     add_dashboard_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(
-        ["dashboard", "push", "--grafana-url", grafana.url, "--token", TOKEN]
-    )
+    args = parser.parse_args(["dashboard", "push", "--grafana-url", grafana.url, "--token", TOKEN])
     assert args.func(args) == 0
     assert len(grafana.requests) == 1
 

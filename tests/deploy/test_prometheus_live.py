@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import httpx
 import promql_parser
 import pytest
 import yaml
+from _subprocesses import alive, descendants, free_port, get_ok, stop, wait_for
 
 from pagedray.cluster.grafana_dashboard import METRIC_NAMES, promql_expressions
 
@@ -42,12 +42,6 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": MODEL, "$job": "ra
 LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+), (?P<label>\w+)\)$")
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _prometheus_binary() -> str:
@@ -73,66 +67,6 @@ def _prometheus_binary() -> str:
     return found
 
 
-def _wait_for(
-    what: str, check: Callable[[], bool], timeout_s: float, proc: subprocess.Popen | None = None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: the process exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
-        time.sleep(0.5)
-
-
-def _get_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (Ray's head processes, agents and workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL what is still running after `timeout_s`: our process only."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
     # NOTE: short, under /tmp: Ray's Unix sockets live below it, and their paths are limited.
@@ -152,7 +86,7 @@ def server(workdir: Path, tiny_llama: str, prometheus_bin: str) -> Iterator[dict
 
     Takes `prometheus_bin` only to skip before starting anything when Prometheus is missing.
     """
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(
         RAY_TMPDIR=str(workdir),  # its own Ray temp dir (sockets, logs, discovery file)
@@ -183,27 +117,27 @@ def server(workdir: Path, tiny_llama: str, prometheus_bin: str) -> Iterator[dict
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for("pagedray serve healthy", lambda: _get_ok(f"{url}/health"), START_TIMEOUT_S, proc)
+        wait_for("pagedray serve healthy", lambda: get_ok(f"{url}/health"), START_TIMEOUT_S, proc)
     except AssertionError as exc:
-        _stop(proc, STOP_TIMEOUT_S)
+        stop(proc, STOP_TIMEOUT_S)
         log.close()
         raise AssertionError(f"{exc}\n{(workdir / 'serve.log').read_text()[-3000:]}") from exc
-    ray_pids = _descendants(proc.pid)
+    ray_pids = descendants(proc.pid)
     try:
         yield {"url": url, "metrics_port": metrics_port, "ray_tmp": workdir / "ray"}
     finally:
-        ray_pids |= _descendants(proc.pid)
-        _stop(proc, STOP_TIMEOUT_S)
+        ray_pids |= descendants(proc.pid)
+        stop(proc, STOP_TIMEOUT_S)
         log.close()
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in ray_pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in ray_pids) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = sorted(pid for pid in ray_pids if _alive(pid))
+    left = sorted(pid for pid in ray_pids if alive(pid))
     for pid in left:  # ours (started by that `pagedray serve`), killed by PID
         os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, f"pagedray serve exited with {proc.returncode}"
     assert not left, f"Ray processes outlived pagedray serve: {left}"
-    assert not _get_ok(f"http://127.0.0.1:{metrics_port}/metrics")
+    assert not get_ok(f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 def _prometheus_config(metrics_port: int, ray_tmp: Path, path: Path) -> None:
@@ -226,7 +160,7 @@ def prometheus(
     """A Prometheus on a free loopback port; yields its instant-query function."""
     config = workdir / "prometheus.yml"
     _prometheus_config(server["metrics_port"], server["ray_tmp"], config)
-    port = _free_port()
+    port = free_port()
     command = [
         prometheus_bin,
         f"--config.file={config}",
@@ -244,19 +178,19 @@ def prometheus(
         return body["data"]["result"]
 
     try:
-        _wait_for("prometheus ready", lambda: _get_ok(f"{url}/-/ready"), 30, proc)
+        wait_for("prometheus ready", lambda: get_ok(f"{url}/-/ready"), 30, proc)
     except AssertionError as exc:
-        _stop(proc, 30)
+        stop(proc, 30)
         log.close()
         raise AssertionError(f"{exc}\n{(workdir / 'prometheus.log').read_text()[-3000:]}") from exc
     try:
         # NOTE: Prometheus applies new targets a few seconds after it starts: scrape first.
         for job in ("ray-local", "ray"):
             up = f'max(up{{job="{job}", instance=~".*:{server["metrics_port"]}"}})'
-            _wait_for(f"prometheus scraping job {job}", lambda up=up: _value(query(up)) == 1, 30)
+            wait_for(f"prometheus scraping job {job}", lambda up=up: _value(query(up)) == 1, 30)
         yield query
     finally:
-        _stop(proc, 30)
+        stop(proc, 30)
         log.close()
 
 
@@ -307,7 +241,7 @@ def test_prometheus_sees_what_pagedray_serve_records(
 
     # Both scrape jobs of deploy/: the static target and the head's discovery file.
     for job in ("ray-local", "ray"):
-        _wait_for(
+        wait_for(
             f"TTFT count of job {job}",
             lambda job=job: count(job) == num_requests,
             METRICS_TIMEOUT_S,
