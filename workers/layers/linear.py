@@ -7,6 +7,8 @@ Attention and MLP blocks pair them (column then row), so each block costs exactl
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,7 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(nn.Module, abc.ABC):
     """A local [output_size, input_size] weight (already this rank's shard) and optional bias."""
 
     def __init__(
@@ -41,10 +43,11 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    @abc.abstractmethod
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: WeightSource, shard_id: object = None
     ) -> None:
-        raise NotImplementedError
+        """Copy this rank's part of a checkpoint tensor into `param`: each layer knows its split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
