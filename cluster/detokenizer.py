@@ -37,6 +37,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         return full_text[len(prefix_text) :]
 
+    def append(self, new_token_ids: list[int]) -> None:
+        """Add tokens without decoding: for callers that only want `full_text` at the end."""
+        self.token_ids.extend(new_token_ids)
+
     def full_text(self, drop_last: int = 0) -> str:
         """All output tokens decoded at once (the exact final text), less `drop_last` tokens."""
         end = len(self.token_ids) - drop_last

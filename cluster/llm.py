@@ -60,7 +60,8 @@ class LLM:
         from pagedray.cluster.engine_factory import build_engine
 
         self.engine, self.executor, self.tokenizer, self.validator = build_engine(self.config)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # Nothing streams out of `generate`: text is decoded once per output, at its end.
+        self.output_processor = OutputProcessor(self.tokenizer, stream_text=False)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

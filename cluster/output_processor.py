@@ -104,8 +104,11 @@ class RequestState:
 class OutputProcessor:
     """All live requests' front-end state."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_text: bool = True) -> None:
+        """`stream_text=False` (the offline `LLM`): text is decoded once, when a choice ends,
+        unless stop strings must be searched as tokens arrive."""
         self.tokenizer = tokenizer
+        self.stream_text = stream_text
         self.requests: dict[str, RequestState] = {}
 
     def add_request(
@@ -150,7 +153,11 @@ class OutputProcessor:
         if choice.logprobs is not None and out.new_logprobs:
             for ids, logprobs, _rank in out.new_logprobs:
                 choice.logprobs.append(dict(zip(ids, logprobs)))
-        new_text = choice.detokenizer.push(out.new_token_ids)
+        if self.stream_text or params.stop:
+            new_text = choice.detokenizer.push(out.new_token_ids)
+        else:
+            choice.detokenizer.append(out.new_token_ids)
+            new_text = ""
         if params.stop and self._find_stop_string(choice, new_text, params):
             return True
         choice.text += new_text
