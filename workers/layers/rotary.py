@@ -70,6 +70,8 @@ class RotaryEmbedding(nn.Module):
         # float32 like HF, cast to the activations' dtype at lookup as HF does before multiplying.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -77,9 +79,25 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self._lookup(positions)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def rotate(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        heads: torch.Tensor,  # [num_tokens, num_heads, head_dim]: q and k heads side by side
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
+        """Rotate several heads in one pass: q and k together when they sit side by side."""
+        cos, sin = self._lookup(positions)
+        return _rotate(heads, cos, sin)
+
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer rotates by the same positions tensor: look the tables up once a forward.
+        if positions is not self._positions or self._cos_sin is None:
+            cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
+            sin = self.sin_cache[positions].unsqueeze(1)
+            self._positions, self._cos_sin = positions, (cos, sin)
+        return self._cos_sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

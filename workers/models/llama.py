@@ -78,14 +78,18 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
+            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, dim]
             # Qwen3 normalises each head over head_dim before rope.
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        else:
+            # q and k heads sit side by side in qkv: rotate them in one pass.
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+            qk = self.rotary_emb.rotate(positions, qk)  # [tokens, heads + kv_heads, head_dim]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Written before attending: this step's tokens attend to themselves through the cache.
         self.attention.store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
