@@ -136,11 +136,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         table = self.req_to_blocks.get(req.req_id)
-        if not table:
-            return
+        start = self.num_cached_blocks.get(req.req_id, 0)
+        if not table or num_computed_tokens // self.block_size <= start:
+            return  # most decode steps: no block filled up
         block_hashes = self._update_block_hashes(req)
         num_full = min(num_computed_tokens // self.block_size, len(table), len(block_hashes))
-        start = self.num_cached_blocks.get(req.req_id, 0)
         for block_idx in range(start, num_full):
             self.block_pool.cache_full_block(table[block_idx], block_hashes[block_idx])
         self.num_cached_blocks[req.req_id] = max(start, num_full)
