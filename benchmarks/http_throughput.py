@@ -32,17 +32,11 @@ import openai
 
 # NOTE: run as a script, this directory is on sys.path: the workload is the offline benchmark's.
 from offline_throughput import (
-    FULL_OUTPUT,
-    FULL_PROMPT,
     NUM_CHECKED,
-    QUICK_OUTPUT,
-    QUICK_PROMPT,
     Workload,
-    make_workload,
+    benchmark_workload,
     timed,
 )
-
-from pagedray.cluster.default_model import default_model_path
 
 # Seconds between /health polls while the server starts.
 POLL_S = 1.0
@@ -432,16 +426,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     num_requests = args.num_requests or (16 if args.quick else 64)
-    prompt_dist, output_dist = (
-        (QUICK_PROMPT, QUICK_OUTPUT) if args.quick else (FULL_PROMPT, FULL_OUTPUT)
-    )
-    path = str(default_model_path("llama", "small"))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    special = set(tokenizer.all_special_ids)
-    vocab_ids = [i for i in range(len(tokenizer)) if i not in special]
-    workload = make_workload(num_requests, prompt_dist, output_dist, vocab_ids, args.seed)
+    path, workload = benchmark_workload(num_requests, args.quick, args.seed)
     print(f"model {path}, {num_requests} requests, seed {args.seed}")
     print(f"prompt tokens {workload.num_prompt_tokens}, output tokens {workload.num_output_tokens}")
     runs: list[Run] = []

@@ -94,6 +94,18 @@ def make_workload(
     return Workload(prompts, output_lens, warmup_prompts, [8] * len(warmup_prompts))
 
 
+def benchmark_workload(num_requests: int, quick: bool, seed: int) -> tuple[str, Workload]:
+    """The small default model's path and the seeded workload every benchmark script runs."""
+    from transformers import AutoTokenizer
+
+    prompt_dist, output_dist = (QUICK_PROMPT, QUICK_OUTPUT) if quick else (FULL_PROMPT, FULL_OUTPUT)
+    path = str(default_model_path("llama", "small"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    special = set(tokenizer.all_special_ids)
+    vocab_ids = [i for i in range(len(tokenizer)) if i not in special]
+    return path, make_workload(num_requests, prompt_dist, output_dist, vocab_ids, seed)
+
+
 class RunQueueSampler:
     """Samples how many tasks of other processes were runnable, in a daemon thread (Linux).
 
@@ -402,17 +414,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)}")
     num_requests = args.num_requests or (16 if args.quick else 64)
-    prompt_dist, output_dist = (
-        (QUICK_PROMPT, QUICK_OUTPUT) if args.quick else (FULL_PROMPT, FULL_OUTPUT)
-    )
-
-    path = str(default_model_path("llama", "small"))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    special = set(tokenizer.all_special_ids)
-    vocab_ids = [i for i in range(len(tokenizer)) if i not in special]
-    workload = make_workload(num_requests, prompt_dist, output_dist, vocab_ids, args.seed)
+    path, workload = benchmark_workload(num_requests, args.quick, args.seed)
 
     print(f"model {path}, threads {args.threads}, {num_requests} requests, seed {args.seed}")
     print(
