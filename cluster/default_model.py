@@ -32,6 +32,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from pagedray.cache_dir import cache_dir
+
 __all__ = ["ARCHS", "DEFAULT_ARCH", "DEFAULT_PRESET", "PRESETS", "default_model_path", "make_model"]
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -113,8 +115,37 @@ young ready above ever red list though feel talk bird soon body dog family direc
 café naïve über façade déjà Zürich 東京 日本語 сегодня données 😀 ✨
 """
 _COMMON_WORDS = _COMMON_WORDS_TEXT.split()
-_ONSETS = ("", "b", "br", "c", "ch", "d", "dr", "f", "g", "gl", "h", "j", "k", "l", "m", "n", "p",
-           "pl", "qu", "r", "s", "sh", "st", "t", "th", "tr", "v", "w", "z")
+_ONSETS = (
+    "",
+    "b",
+    "br",
+    "c",
+    "ch",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gl",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "pl",
+    "qu",
+    "r",
+    "s",
+    "sh",
+    "st",
+    "t",
+    "th",
+    "tr",
+    "v",
+    "w",
+    "z",
+)
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "oo", "y")
 _CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "x")
 
@@ -124,8 +155,12 @@ def _pseudo_words(rng: random.Random) -> list[str]:
     words = []
     for _ in range(_NUM_PSEUDO_WORDS):
         syllables = rng.randint(1, 3)
-        words.append("".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                             for _ in range(syllables)))
+        words.append(
+            "".join(
+                rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                for _ in range(syllables)
+            )
+        )
     return words
 
 
@@ -158,10 +193,12 @@ def _build_tokenizer(vocab_size: int, seed: int, model_max_length: int) -> PreTr
     tokenizer = Tokenizer(models.BPE())
     # Byte-level with no prefix space: decode(encode(s)) == s for any NFC-normalised string.
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - NUM_RESERVED,
@@ -307,17 +344,13 @@ def make_model(
     return out_dir
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("PAGEDRAY_CACHE_DIR", "~/.cache/pagedray")).expanduser() / "models"
-
-
 def default_model_path(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
     """Returns the cached build of (arch, preset), seed 0, building it once on first use.
 
     A file lock serialises concurrent builders; the atomic rename in `make_model` means a directory
     that exists is always complete.
     """
-    path = _cache_root() / f"{arch}-{preset}-{CACHE_VERSION}"
+    path = cache_dir("models") / f"{arch}-{preset}-{CACHE_VERSION}"
     if (path / "model.safetensors").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
