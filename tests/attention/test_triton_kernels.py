@@ -11,66 +11,19 @@ import os
 # Before triton is imported; tests/conftest.py sets it too, since transformers imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math
-
 import pytest
 import torch
+from _paged_batch import (  # noqa: E402
+    SHAPES,
+    assert_close,
+    build_metadata,
+    check_against_reference,
+    pool_size,
+)
 
 from pagedray.attention import torch_ref, triton_backend  # noqa: E402
-from pagedray.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedray.attention.triton_backend import TRITON_BACKEND  # noqa: E402
 from pagedray.attention.triton_decode import decode_attention  # noqa: E402
-
-# Kernels accumulate in fp32 like the reference. bf16 differs by output rounding (and on GPU by
-# rounding p to bf16 before P @ V); fp32 only by summation order.
-TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    tol = TOLERANCES[expected.dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
-
-
-def _build_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_size: int,
-    num_blocks: int,
-    gen: torch.Generator,
-    first_block_id: int = 1,
-) -> AttentionMetadata:
-    """Metadata for a ragged batch whose blocks are scattered (shuffled) over [first_block_id, N).
-
-    Block 0 stays out of use: it is what padded block-table entries point at.
-    """
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(num_blocks - first_block_id, generator=gen)
-    ids = (first_block_id + perm[: sum(blocks_per_seq)]).tolist()
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    slots = []
-    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        block_tables[i, : blocks_per_seq[i]] = torch.tensor(ids[: blocks_per_seq[i]])
-        ids = ids[blocks_per_seq[i] :]
-        for pos in range(seq_len - query_len, seq_len):
-            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
-
-
-def _pool_size(seq_lens: list[int], block_size: int) -> int:
-    # Twice what the batch needs, so the shuffled ids leave holes between a sequence's blocks.
-    return 2 * sum(-(-s // block_size) for s in seq_lens) + 1
 
 
 def _check_attention(
@@ -82,32 +35,10 @@ def _check_attention(
     block_size: int,
     dtype: torch.dtype,
 ) -> None:
-    gen = torch.Generator().manual_seed(sum(seq_lens) * 31 + head_dim + block_size)
-    num_blocks = _pool_size(seq_lens, block_size)
-    metadata = _build_metadata(query_lens, seq_lens, block_size, num_blocks, gen)
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
-    scale = 1.0 / math.sqrt(head_dim)
-
-    expected = torch_ref.paged_attention(query, key_cache, value_cache, metadata, scale)
-    actual = TRITON_BACKEND.paged_attention(query, key_cache, value_cache, metadata, scale)
-    _assert_close(actual, expected)
-
-
-# (num_heads, num_kv_heads, head_dim, block_size, dtype): GQA 1/2/4/8, head sizes 64/128/80/96.
-SHAPES = [
-    pytest.param(2, 2, 64, 16, torch.float32, id="gqa1-d64-bs16"),
-    pytest.param(4, 2, 80, 8, torch.float32, id="gqa2-d80-bs8"),
-    pytest.param(4, 1, 128, 32, torch.float32, id="gqa4-d128-bs32"),
-    pytest.param(8, 1, 96, 16, torch.float32, id="gqa8-d96-bs16"),
-    pytest.param(16, 2, 128, 8, torch.float32, id="gqa8-d128-bs8"),
-    pytest.param(6, 6, 80, 32, torch.float32, id="gqa1-d80-bs32"),
-    pytest.param(3, 1, 64, 8, torch.float32, id="gqa3-d64-bs8"),  # group not a power of 2
-    pytest.param(4, 2, 128, 16, torch.bfloat16, id="gqa2-d128-bs16-bf16"),
-    pytest.param(8, 2, 80, 8, torch.bfloat16, id="gqa4-d80-bs8-bf16"),
-]
+    check_against_reference(
+        TRITON_BACKEND.paged_attention,
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)
@@ -149,8 +80,8 @@ def test_decode_split_counts_agree(num_splits: int) -> None:
     # More splits than a short sequence has tiles: empty splits must weigh nothing in the merge.
     gen = torch.Generator().manual_seed(num_splits)
     seq_lens, block_size = [5, 70, 130], 16
-    num_blocks = _pool_size(seq_lens, block_size)
-    metadata = _build_metadata([1, 1, 1], seq_lens, block_size, num_blocks, gen)
+    num_blocks = pool_size(seq_lens, block_size)
+    metadata = build_metadata([1, 1, 1], seq_lens, block_size, num_blocks, gen)
     key_cache = torch.randn(num_blocks, block_size, 2, 64, generator=gen)
     value_cache = torch.randn(num_blocks, block_size, 2, 64, generator=gen)
     query = torch.randn(3, 8, 64, generator=gen)
@@ -159,7 +90,7 @@ def test_decode_split_counts_agree(num_splits: int) -> None:
         query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.max_seq_len, 0.125, num_splits=num_splits,
     )  # fmt: skip
-    _assert_close(actual, expected)
+    assert_close(actual, expected)
 
 
 def test_backend_dispatches_decode_and_mixed_batches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,8 +116,8 @@ def test_store_kv_matches_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(block_size)
     query_lens, seq_lens = [20, 1, 5], [20, 40, 37]
-    num_blocks = _pool_size(seq_lens, block_size)
-    metadata = _build_metadata(query_lens, seq_lens, block_size, num_blocks, gen)
+    num_blocks = pool_size(seq_lens, block_size)
+    metadata = build_metadata(query_lens, seq_lens, block_size, num_blocks, gen)
     slot_mapping = torch.cat([metadata.slot_mapping, torch.tensor([-1, -1])])  # padded tokens
     num_tokens = slot_mapping.numel()
     # K and V as strided views of one fused projection output, as the model produces them.
@@ -236,7 +167,7 @@ def test_block_offsets_past_int32() -> None:
     assert first_block_id * key_cache.stride(0) > 2**31
     gen = torch.Generator().manual_seed(0)
     query_lens, seq_lens = [6, 1], [40, 20]
-    metadata = _build_metadata(query_lens, seq_lens, block_size, num_blocks, gen, first_block_id)
+    metadata = build_metadata(query_lens, seq_lens, block_size, num_blocks, gen, first_block_id)
     used = metadata.block_tables[metadata.block_tables > 0].long()
     kv_cache[0, :, 0] = 0.0  # padded block-table entries point at block 0 (read by the reference)
     kv_cache[0, :, used] = torch.randn(2, used.numel(), block_size, 1, head_dim).bfloat16()
@@ -253,14 +184,14 @@ def test_block_offsets_past_int32() -> None:
     # Prefill (mixed batch) and decode read through the same high block ids.
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).bfloat16()
     expected = torch_ref.paged_attention(query, key_cache, value_cache, metadata, 0.125)
-    _assert_close(
+    assert_close(
         TRITON_BACKEND.paged_attention(query, key_cache, value_cache, metadata, 0.125), expected
     )
-    decode_md = _build_metadata([1], [40], block_size, num_blocks, gen, first_block_id)
+    decode_md = build_metadata([1], [40], block_size, num_blocks, gen, first_block_id)
     decode_md.block_tables = metadata.block_tables[:1]
     expected = torch_ref.paged_attention(query[:1], key_cache, value_cache, decode_md, 0.125)
     actual = TRITON_BACKEND.paged_attention(query[:1], key_cache, value_cache, decode_md, 0.125)
-    _assert_close(actual, expected)
+    assert_close(actual, expected)
 
     # copy_blocks between two high blocks, K and V.
     src, dst = int(used[0]), num_blocks - 1

@@ -1,0 +1,64 @@
+"""The CPU attention backend: a C decode kernel that reads K/V blocks in place, torch for the rest.
+
+Decodes are most of a serving step's attention and, in plain torch, cost a gather that copies each
+sequence's whole context per layer before SDPA reads it again. The C kernel (csrc/
+paged_decode_cpu.c) walks the block tables instead. Prefill chunks keep the torch reference's
+path: there the gather is paid once per chunk and torch's flash SDPA does the heavy matmuls.
+Storing K/V and copying blocks are the reference's own, already single indexed copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedray.attention import cpu_kernels, torch_ref
+from pagedray.attention.backend import AttentionBackend
+from pagedray.attention.metadata import AttentionMetadata
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of each sequence's new tokens over its whole context (contract of torch_ref)."""
+    out = torch.empty_like(query)
+    if not cpu_kernels.supports(query.dtype):
+        torch_ref.attend_decodes(query, key_cache, value_cache, metadata, scale, out)
+    else:
+        decodes = metadata.scratch.get("cpu.decodes")
+        if decodes is None:
+            decodes = metadata.scratch["cpu.decodes"] = _plan_decodes(metadata)
+        seqs, max_seq_len = decodes
+        if query.stride(-1) != 1 or query.stride(-2) != query.shape[-1]:
+            query = query.contiguous()
+        cpu_kernels.paged_decode(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            seqs,
+            max_seq_len,
+            scale,
+            out,
+        )
+    torch_ref.attend_extends(query, key_cache, value_cache, metadata, scale, out)
+    return out
+
+
+def _plan_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, int]:
+    seqs = torch_ref.decode_seqs(metadata)
+    max_seq_len = max((metadata.seq_lens_cpu[i] for i in seqs), default=0)
+    return torch.tensor(seqs, dtype=torch.int64), max_seq_len
+
+
+CPU_BACKEND = AttentionBackend(
+    name="cpu",
+    store_kv=torch_ref.store_kv,
+    paged_attention=paged_attention,
+    copy_blocks=torch_ref.copy_blocks,
+)

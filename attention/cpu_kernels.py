@@ -1,0 +1,220 @@
+"""pagedray's C kernels for the CPU: compiled once per machine with the system C compiler, called
+through ctypes.
+
+Why not `torch.utils.cpp_extension`: a file that includes no torch header compiles in well under a
+second and needs no ninja, and a kernel that takes raw pointers needs nothing else from torch.
+The library is cached under `$PAGEDRAY_CACHE_DIR/kernels/` (default `~/.cache/pagedray`), keyed
+by the source, the compiler and this CPU's instruction set (it is built with `-march=native`), so
+machines of one cluster that share a home directory never load each other's builds.
+
+Where no compiler works, `available()` is False and the CPU backend is not offered; the plain-torch
+reference serves instead (see attention/backend.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedray.cache_dir import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.c"
+# NOTE: -ffast-math is a compile flag only. Linking a shared library with it makes GCC < 13 add
+# crtfastmath.o, which flushes denormals to zero for the whole process (torch included) on load.
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+# With OpenMP first; without it the kernel still runs, on one thread.
+_OPENMP_CHOICES = (("-fopenmp",), ())
+
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded on this machine."""
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the CPU kernels built and loaded here (built on the first call)."""
+    try:
+        _library()
+    except KernelBuildError as error:
+        logger.warning("CPU attention kernels unavailable, using the torch reference: %s", error)
+        return False
+    return True
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _entry_points()
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    value_cache: torch.Tensor,  # same as key_cache
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: sequence i's query row
+    decode_seqs: torch.Tensor,  # [num_decodes] int64: the sequences with one query token
+    max_seq_len: int,  # at least the longest seq_len among decode_seqs
+    scale: float,
+    out: torch.Tensor,  # like query: rows of the decode sequences are written
+) -> None:
+    """Attention of each decode sequence's one query token over its context, read in place."""
+    num_decodes = decode_seqs.numel()
+    if num_decodes == 0:
+        return
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    for name, t in (("query", query), ("out", out)):
+        if t.stride(-1) != 1 or t.stride(-2) != head_dim:
+            raise ValueError(f"{name}: heads must be contiguous, got strides {t.stride()}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables: rows must be contiguous, got {block_tables.stride()}")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype):
+        raise ValueError(
+            f"query, caches and out must share a dtype, got {query.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}, {out.dtype}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, t, dtype in (
+        ("block_tables", block_tables, torch.int32),
+        ("seq_lens", seq_lens, torch.int32),
+        ("query_start_loc", query_start_loc, torch.int32),
+        ("decode_seqs", decode_seqs, torch.int64),
+    ):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    seq_lens, query_start_loc, decode_seqs = (
+        t.contiguous() for t in (seq_lens, query_start_loc, decode_seqs)
+    )
+    entry = _entry_points().get(query.dtype)
+    if entry is None:
+        raise ValueError(f"no CPU decode kernel for {query.dtype}")
+    status = entry(
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        decode_seqs.data_ptr(),
+        num_decodes,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        max(int(max_seq_len), 1),
+        float(scale),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("CPU paged decode: could not allocate its per-thread scratch")
+
+
+@functools.cache
+def _entry_points() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    lib = _library()
+    names = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+    if lib.has_f16():
+        names[torch.float16] = "paged_decode_f16"
+    entries = {}
+    for dtype, name in names.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        entries[dtype] = fn
+    return entries
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
+    source = SOURCE.read_bytes()
+    errors = []
+    for openmp in _OPENMP_CHOICES:
+        path = cache_dir("kernels") / f"{_build_key(compiler, source, openmp)}.so"
+        if not path.exists():
+            try:
+                _compile(compiler, openmp, path)
+            except KernelBuildError as error:
+                errors.append(str(error))
+                continue
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as error:
+            errors.append(f"loading {path}: {error}")
+    raise KernelBuildError("; ".join(errors))
+
+
+def _compile(compiler: str, openmp: tuple[str, ...], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed into place: processes building at once (the
+    # workers of one engine) each write their own file, and none loads a half-written one.
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        commands = [
+            [compiler, "-c", *_COMPILE_FLAGS, *openmp, str(SOURCE), "-o", str(obj)],
+            [compiler, "-shared", *openmp, str(obj), "-o", str(lib), "-lm"],
+        ]
+        for command in commands:
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as error:
+                raise KernelBuildError(f"{' '.join(command)}: {error}") from error
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip()[-500:]
+                raise KernelBuildError(f"{' '.join(command)} failed: {tail}")
+        os.replace(lib, path)
+
+
+def _build_key(compiler: str, source: bytes, openmp: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(source)
+    for part in (compiler, _compiler_version(compiler), *_COMPILE_FLAGS, *openmp, _cpu_identity()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:24]
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _cpu_identity() -> str:
+    """The instruction set `-march=native` compiles for: the CPU's model and feature flags."""
+    identity = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("model name", "flags", "Features")):
+                    identity.append(line.strip())
+                if line.strip() == "":
+                    break  # the first processor's entry is enough
+    except OSError:
+        identity.append(platform.processor())
+    return "\n".join(identity)

@@ -1,0 +1,182 @@
+"""The C paged-decode kernel (the CPU backend) against the plain-torch reference.
+
+Also how the kernel library is built: cached per machine, safe to build from several processes at
+once, harmless to the process that loads it, and replaced by the torch reference where no C
+compiler works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _paged_batch import SHAPES, assert_close, check_against_reference, random_batch
+
+from pagedray.attention import cpu_kernels, torch_ref
+from pagedray.attention.cpu_backend import CPU_BACKEND
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="no working C compiler: the CPU kernels cannot be built"
+)
+
+
+def _check(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype) -> None:
+    check_against_reference(
+        CPU_BACKEND.paged_attention,
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype) -> None:
+    # seq_len 1: no cached context; 32: ends exactly on a block boundary for every block size.
+    _check([1] * 4, [1, 32, 45, 97], num_heads, num_kv_heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)
+def test_mixed_batch_matches_reference(
+    num_heads, num_kv_heads, head_dim, block_size, dtype
+) -> None:
+    # Decodes (kernel) between prefill chunks (torch), with and without cached context.
+    query_lens, seq_lens = [19, 1, 7, 1, 24, 1], [19, 33, 64, 16, 50, 90]
+    _check(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+
+
+def test_float16() -> None:
+    if not cpu_kernels.supports(torch.float16):
+        pytest.skip("this C compiler has no _Float16")
+    _check([1, 1, 5], [7, 200, 40], 8, 2, 64, 16, torch.float16)
+
+
+def test_long_decodes() -> None:
+    _check([1] * 5, [1500, 600, 257, 3, 1024], 4, 2, 64, 16, torch.float32)
+
+
+def test_query_as_view_of_fused_projection() -> None:
+    """The model hands over q as a strided view of its fused qkv output."""
+    query, key_cache, value_cache, metadata, scale = random_batch(
+        [1, 1, 1], [10, 40, 70], 4, 2, 64, 16, torch.float32
+    )
+    fused = torch.randn(3, (4 + 2 * 2) * 64)
+    fused[:, : 4 * 64] = query.reshape(3, -1)
+    view = fused[:, : 4 * 64].view(3, 4, 64)
+    assert not view.is_contiguous()
+    expected = torch_ref.paged_attention(query, key_cache, value_cache, metadata, scale)
+    metadata.scratch.clear()
+    assert_close(
+        CPU_BACKEND.paged_attention(view, key_cache, value_cache, metadata, scale), expected
+    )
+
+
+def test_same_output_on_one_and_two_threads() -> None:
+    """Each (sequence, KV head) is one thread's work: the thread count cannot change a bit."""
+    batch = random_batch([1] * 6, [300, 5, 77, 129, 16, 1000], 4, 2, 64, 16, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            batch[3].scratch.clear()
+            outputs.append(CPU_BACKEND.paged_attention(*batch))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_block_offsets_past_int32() -> None:
+    """Block ids whose element offsets pass 2^31, in an 8 GiB pool only a few pages of which
+    are ever touched (torch.empty)."""
+    block_size, num_kv_heads, head_dim = 16, 1, 64
+    first_high = 2**31 // (block_size * num_kv_heads * head_dim) + 1
+    kv_cache = torch.empty(
+        2, first_high + 8, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16
+    )
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    query, small_k, small_v, metadata, scale = random_batch(
+        [1, 1], [40, 20], 4, num_kv_heads, head_dim, block_size, torch.bfloat16
+    )
+    expected = torch_ref.paged_attention(query, small_k, small_v, metadata, scale)
+    # The same contents, moved to the high block ids.
+    used = sorted(set(metadata.block_tables.flatten().tolist()))
+    high = {old: first_high + i for i, old in enumerate(used)}
+    for old, new in high.items():
+        key_cache[new], value_cache[new] = small_k[old], small_v[old]
+    metadata.block_tables = metadata.block_tables.apply_(lambda b: high[b])
+    metadata.scratch.clear()
+    assert_close(
+        CPU_BACKEND.paged_attention(query, key_cache, value_cache, metadata, scale), expected
+    )
+
+
+def test_rejects_what_it_cannot_read() -> None:
+    query, key_cache, value_cache, metadata, scale = random_batch(
+        [1], [10], 4, 2, 64, 16, torch.float32
+    )
+    out = torch.empty_like(query)
+    seqs = torch.tensor([0])
+    args = (metadata.seq_lens, metadata.query_start_loc, seqs, 10, scale, out)
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu_kernels.paged_decode(query, key_cache, value_cache, metadata.block_tables.long(), *args)
+    with pytest.raises(ValueError, match="share a dtype"):
+        cpu_kernels.paged_decode(
+            query, key_cache.double(), value_cache.double(), metadata.block_tables, *args
+        )
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.paged_decode(
+            query, key_cache.transpose(1, 2), value_cache, metadata.block_tables, *args
+        )
+
+
+_PROBE = """
+import json, torch
+from pagedray.attention import cpu_kernels
+from pagedray.attention.backend import select_backend
+available = cpu_kernels.available()
+# A denormal survives arithmetic unless something set flush-to-zero in this process.
+denormal_kept = (torch.tensor([1e-39]) * 2.0).item() != 0.0
+try:
+    forced = select_backend(torch.device("cpu")).name
+except ValueError as error:
+    forced = "error: " + str(error)
+print(json.dumps({"available": available, "denormal_kept": denormal_kept, "backend": forced}))
+"""
+
+
+def _probe(cache_dir: Path, **env: str) -> subprocess.Popen[str]:
+    full_env = {**os.environ, "PAGEDRAY_CACHE_DIR": str(cache_dir), **env}
+    return subprocess.Popen(
+        [sys.executable, "-c", _PROBE], env=full_env, stdout=subprocess.PIPE, text=True
+    )
+
+
+def _result(process: subprocess.Popen[str]) -> dict:
+    stdout, _ = process.communicate(timeout=300)
+    assert process.returncode == 0
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_concurrent_first_builds_share_one_cache(tmp_path: Path) -> None:
+    probes = [_probe(tmp_path) for _ in range(3)]  # like the TP workers of one new engine
+    for probe in probes:
+        assert _result(probe) == {"available": True, "denormal_kept": True, "backend": "cpu"}
+    kernels = tmp_path / "kernels"
+    assert len(list(kernels.glob("*.so"))) == 1
+    assert [p for p in kernels.iterdir() if p.suffix != ".so"] == []  # no build leftovers
+    built = next(kernels.glob("*.so")).stat().st_mtime_ns
+    assert _result(_probe(tmp_path))["backend"] == "cpu"
+    assert next(kernels.glob("*.so")).stat().st_mtime_ns == built  # loaded, not rebuilt
+
+
+def test_without_a_compiler_the_torch_reference_serves(tmp_path: Path) -> None:
+    assert _result(_probe(tmp_path, CC="/bin/false")) == {
+        "available": False,
+        "denormal_kept": True,
+        "backend": "torch",
+    }
+    forced = _result(_probe(tmp_path, CC="/bin/false", PAGEDRAY_ATTENTION_BACKEND="cpu"))
+    assert forced["backend"].startswith("error: PAGEDRAY_ATTENTION_BACKEND=cpu")
