@@ -7,6 +7,7 @@ compiler works.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -25,11 +26,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _check(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype) -> None:
-    check_against_reference(
-        CPU_BACKEND.paged_attention,
-        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-    )  # fmt: skip
+# (query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+_check = functools.partial(check_against_reference, CPU_BACKEND.paged_attention)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)

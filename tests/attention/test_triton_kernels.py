@@ -6,6 +6,7 @@ and block ids whose element offsets pass 2^31 (int32 overflow in the offset math
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Before triton is imported; tests/conftest.py sets it too, since transformers imports triton.
@@ -25,20 +26,8 @@ from pagedray.attention import torch_ref, triton_backend  # noqa: E402
 from pagedray.attention.triton_backend import TRITON_BACKEND  # noqa: E402
 from pagedray.attention.triton_decode import decode_attention  # noqa: E402
 
-
-def _check_attention(
-    query_lens: list[int],
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-) -> None:
-    check_against_reference(
-        TRITON_BACKEND.paged_attention,
-        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-    )  # fmt: skip
+# (query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+_check_attention = functools.partial(check_against_reference, TRITON_BACKEND.paged_attention)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)
