@@ -24,7 +24,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's new tokens over its whole context (contract of torch_ref)."""
-    out = torch.empty_like(query)
+    if query.stride(-1) != 1 or query.stride(-2) != query.shape[-1]:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if not cpu_kernels.supports(query.dtype):
         torch_ref.attend_decodes(query, key_cache, value_cache, metadata, scale, out)
     else:
@@ -32,8 +34,6 @@ def paged_attention(
         if decodes is None:
             decodes = metadata.scratch["cpu.decodes"] = _plan_decodes(metadata)
         seqs, max_seq_len = decodes
-        if query.stride(-1) != 1 or query.stride(-2) != query.shape[-1]:
-            query = query.contiguous()
         cpu_kernels.paged_decode(
             query,
             key_cache,

@@ -7,6 +7,10 @@ The library is cached under `$PAGEDRAY_CACHE_DIR/kernels/` (default `~/.cache/pa
 by the source, the compiler and this CPU's instruction set (it is built with `-march=native`), so
 machines of one cluster that share a home directory never load each other's builds.
 
+Threads: torch's Linux wheels use GNU OpenMP (soname libgomp.so.1), the runtime gcc's `-fopenmp`
+links too, so the kernel runs on torch's own thread pool, at `torch.get_num_threads()`. Built
+with another OpenMP runtime, it gets a second pool of that size.
+
 Where no compiler works, `available()` is False and the CPU backend is not offered; the plain-torch
 reference serves instead (see attention/backend.py).
 """
@@ -19,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,12 +39,17 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.c"
 # NOTE: -ffast-math is a compile flag only. Linking a shared library with it makes GCC < 13 add
 # crtfastmath.o, which flushes denormals to zero for the whole process (torch included) on load.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+_LINK_FLAGS = ("-shared",)
 # With OpenMP first; without it the kernel still runs, on one thread.
 _OPENMP_CHOICES = (("-fopenmp",), ())
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
 _ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
+
+
+# paged_decode_*'s return codes besides 0 (see the C source).
+_NO_MEMORY, _BAD_LENGTH = -1, -2
 
 
 class KernelBuildError(RuntimeError):
@@ -122,14 +132,21 @@ def paged_decode(
         num_kv_heads,
         head_dim,
         block_size,
-        max(int(max_seq_len), 1),
+        int(max_seq_len),
         float(scale),
         out.data_ptr(),
         out.stride(0),
         torch.get_num_threads(),
     )
-    if status != 0:
+    if status == _BAD_LENGTH:
+        raise ValueError(f"a decode's seq_len is outside [1, max_seq_len={max_seq_len}]")
+    if status == _NO_MEMORY:
         raise MemoryError("CPU paged decode: could not allocate its per-thread scratch")
+
+
+def parallel_width(num_threads: int) -> int:
+    """Threads the kernels get when asked for `num_threads`: 1 where OpenMP did not build."""
+    return int(_library().parallel_width(ctypes.c_int64(num_threads)))
 
 
 @functools.cache
@@ -148,13 +165,25 @@ def _entry_points() -> dict[torch.dtype, ctypes._CFuncPtr]:
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    try:
+        return _build_and_load()
+    except (OSError, RuntimeError) as error:  # no cache dir, no source file, no HOME, ...
+        if isinstance(error, KernelBuildError):
+            raise
+        raise KernelBuildError(f"{type(error).__name__}: {error}") from error
+
+
+def _build_and_load() -> ctypes.CDLL:
+    compiler = shlex.split(os.environ.get("CC", "")) or [
+        found for found in (shutil.which("cc") or shutil.which("gcc"),) if found
+    ]
+    if not compiler:
         raise KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
     source = SOURCE.read_bytes()
+    folder = _writable_cache_dir()
     errors = []
     for openmp in _OPENMP_CHOICES:
-        path = cache_dir("kernels") / f"{_build_key(compiler, source, openmp)}.so"
+        path = folder / f"{_build_key(compiler, source, openmp)}.so"
         if not path.exists():
             try:
                 _compile(compiler, openmp, path)
@@ -162,21 +191,37 @@ def _library() -> ctypes.CDLL:
                 errors.append(str(error))
                 continue
         try:
-            return ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(path))
         except OSError as error:
             errors.append(f"loading {path}: {error}")
+            continue
+        if errors:
+            logger.warning("CPU attention kernels run on one thread (no OpenMP): %s", errors[0])
+        return lib
     raise KernelBuildError("; ".join(errors))
 
 
-def _compile(compiler: str, openmp: tuple[str, ...], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _writable_cache_dir() -> Path:
+    """The shared cache, or where it cannot be written (read-only HOME, random UID) a folder of
+    this process's own, so that a build still happens, only not shared."""
+    try:
+        folder = cache_dir("kernels")
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except (OSError, RuntimeError):
+        pass
+    return Path(tempfile.mkdtemp(prefix="pagedray-kernels-"))
+
+
+def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:
     # Built beside its final name and renamed into place: processes building at once (the
     # workers of one engine) each write their own file, and none loads a half-written one.
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         commands = [
-            [compiler, "-c", *_COMPILE_FLAGS, *openmp, str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", *openmp, str(obj), "-o", str(lib), "-lm"],
+            [*compiler, "-c", *_COMPILE_FLAGS, *openmp, str(SOURCE), "-o", str(obj)],
+            [*compiler, *_LINK_FLAGS, *openmp, str(obj), "-o", str(lib), "-lm"],
         ]
         for command in commands:
             try:
@@ -189,20 +234,25 @@ def _compile(compiler: str, openmp: tuple[str, ...], path: Path) -> None:
         os.replace(lib, path)
 
 
-def _build_key(compiler: str, source: bytes, openmp: tuple[str, ...]) -> str:
+def _build_key(compiler: list[str], source: bytes, openmp: tuple[str, ...]) -> str:
     digest = hashlib.sha256(source)
-    for part in (compiler, _compiler_version(compiler), *_COMPILE_FLAGS, *openmp, _cpu_identity()):
+    parts = (*compiler, _compiler_version(compiler), *_COMPILE_FLAGS, *_LINK_FLAGS, *openmp)
+    for part in (*parts, _cpu_identity()):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:24]
 
 
-def _compiler_version(compiler: str) -> str:
+def _compiler_version(compiler: list[str]) -> str:
     try:
         return subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30
+            [*compiler, "--version"], capture_output=True, text=True, timeout=30
         ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+# x86 names the model and its flags; Arm its features and implementation (part, variant).
+_CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU part", "CPU variant")
 
 
 def _cpu_identity() -> str:
@@ -211,7 +261,7 @@ def _cpu_identity() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith(("model name", "flags", "Features")):
+                if line.startswith(_CPUINFO_KEYS):
                     identity.append(line.strip())
                 if line.strip() == "":
                     break  # the first processor's entry is enough

@@ -2,13 +2,15 @@
  * Paged decode attention on the CPU, reading K/V blocks where they lie in the cache.
  *
  * Why C: the plain-torch path must first gather every sequence's blocks into a contiguous
- * tensor per layer (a full copy of the context's K and V) before SDPA reads it again. Here
- * each (sequence, KV head) pair walks its block table once for the scores and once for the
- * weighted sum of values, so K and V are read once and never copied. Built and loaded by
+ * tensor per layer (a full copy of the context's K and V) before SDPA reads it again. Here a
+ * thread walks a sequence's block table once for the scores and once for the weighted sum of
+ * values, so K and V are read once and never copied. Built and loaded by
  * attention/cpu_kernels.py with the system C compiler; the torch reference stays the oracle.
  *
- * One thread takes one sequence, all its heads: each K/V row it loads is the contiguous
- * [num_kv_heads, head_dim] slice of a token, and one item's scores stay in its cache.
+ * Work items: with at least two decodes per thread, one item is a whole sequence, all its
+ * heads, so each K/V row loaded is a token's contiguous [num_kv_heads, head_dim] slice. With
+ * fewer (one user's long decode), an item is one (sequence, KV head) pair, so that every thread
+ * has work.
  *
  * Layout (the same as the torch and Triton backends):
  *   query        [num_tokens, num_heads, head_dim], rows `query_stride` elements apart
@@ -81,31 +83,52 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
 #define SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len) \
     ((num_heads) * (max_seq_len) + 2 * (num_heads) * (head_dim) + (num_kv_heads) * (head_dim))
 
-/* One sequence's decode for element type T. `head_dim` is a compile-time constant at the call
- * sites for the common sizes, which lets the compiler unroll the dot products fully. */
+/* Kept per thread across calls (OpenMP's threads persist): no allocation per layer call. It
+ * grows to the largest batch seen and lives as long as the thread. */
+static _Thread_local float* thread_scratch = NULL;
+static _Thread_local size_t thread_scratch_floats = 0;
+
+static float* scratch_for(size_t floats) {
+    if (floats > thread_scratch_floats) {
+        free(thread_scratch);
+        thread_scratch = (float*)malloc(sizeof(float) * floats);
+        thread_scratch_floats = thread_scratch == NULL ? 0 : floats;
+    }
+    return thread_scratch;
+}
+
+/* Query heads of KV heads [kv_begin, kv_end) of one sequence, for element type T. `head_dim`
+ * is a compile-time constant at the call sites for the common sizes, which lets the compiler
+ * unroll the dot products fully. Rows of scores and accumulators are indexed by query head. */
 #define DEFINE_ATTEND_SEQUENCE(SUFFIX, T)                                                           \
     static inline __attribute__((always_inline)) void attend_sequence_##SUFFIX(                   \
         const T* query_row, const T* key_cache, const T* value_cache, const int32_t* table,       \
-        int64_t len, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,             \
-        int64_t block_size, int64_t max_seq_len, float scale, T* out_row, float* scratch) {       \
+        int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t kv_begin, int64_t kv_end,   \
+        const int64_t head_dim, int64_t block_size, int64_t max_seq_len, float scale,             \
+        T* out_row, float* scratch) {                                                             \
         const int64_t group = num_heads / num_kv_heads;                                           \
         const int64_t token_stride = num_kv_heads * head_dim;                                     \
         const int64_t block_stride = block_size * token_stride;                                   \
         const int64_t num_blocks = (len + block_size - 1) / block_size;                           \
+        const int64_t h_begin = kv_begin * group, h_end = kv_end * group;                         \
+        const int64_t row_offset = kv_begin * head_dim; /* first K/V element this item reads */  \
+        const int64_t row_len = (kv_end - kv_begin) * head_dim;                                   \
         float* scores = scratch;                                                                  \
         float* q = scores + num_heads * max_seq_len;                                              \
         float* acc = q + num_heads * head_dim;                                                    \
         float* tmp = acc + num_heads * head_dim;                                                  \
         /* Converted in place into q where needed (tmp holds one K/V row, not all the heads). */ \
-        const float* q_in = row_##SUFFIX(q, query_row, num_heads * head_dim);                     \
-        for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = q_in[i] * scale;                \
+        const float* q_in = row_##SUFFIX(q + h_begin * head_dim, query_row + h_begin * head_dim,  \
+                                         (h_end - h_begin) * head_dim);                           \
+        for (int64_t i = 0; i < (h_end - h_begin) * head_dim; ++i)                                \
+            q[h_begin * head_dim + i] = q_in[i] * scale;                                          \
         for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            const T* block = key_cache + (int64_t)table[b] * block_stride;                        \
+            const T* block = key_cache + (int64_t)table[b] * block_stride + row_offset;           \
             const int64_t filled = b + 1 < num_blocks ? block_size : len - b * block_size;        \
             for (int64_t p = 0; p < filled; ++p) {                                                \
-                const float* k_row = row_##SUFFIX(tmp, block + p * token_stride, token_stride);   \
-                for (int64_t h = 0; h < num_heads; ++h) {                                         \
-                    const float* k = k_row + (h / group) * head_dim;                              \
+                const float* k_row = row_##SUFFIX(tmp, block + p * token_stride, row_len);        \
+                for (int64_t h = h_begin; h < h_end; ++h) {                                       \
+                    const float* k = k_row + (h / group - kv_begin) * head_dim;                   \
                     const float* qh = q + h * head_dim;                                           \
                     float dot = 0.f;                                                              \
                     PRAGMA(omp simd reduction(+ : dot))                                           \
@@ -114,7 +137,7 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t h = 0; h < num_heads; ++h) {                                                 \
+        for (int64_t h = h_begin; h < h_end; ++h) {                                               \
             float* s = scores + h * max_seq_len;                                                  \
             float top = -FLT_MAX, sum = 0.f;                                                      \
             for (int64_t p = 0; p < len; ++p) top = s[p] > top ? s[p] : top;                      \
@@ -126,14 +149,14 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
             const float inv = 1.f / sum;                                                          \
             for (int64_t p = 0; p < len; ++p) s[p] *= inv;                                        \
         }                                                                                         \
-        memset(acc, 0, sizeof(float) * num_heads * head_dim);                                     \
+        memset(acc + h_begin * head_dim, 0, sizeof(float) * (h_end - h_begin) * head_dim);        \
         for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            const T* block = value_cache + (int64_t)table[b] * block_stride;                      \
+            const T* block = value_cache + (int64_t)table[b] * block_stride + row_offset;         \
             const int64_t filled = b + 1 < num_blocks ? block_size : len - b * block_size;        \
             for (int64_t p = 0; p < filled; ++p) {                                                \
-                const float* v_row = row_##SUFFIX(tmp, block + p * token_stride, token_stride);   \
-                for (int64_t h = 0; h < num_heads; ++h) {                                         \
-                    const float* v = v_row + (h / group) * head_dim;                              \
+                const float* v_row = row_##SUFFIX(tmp, block + p * token_stride, row_len);        \
+                for (int64_t h = h_begin; h < h_end; ++h) {                                       \
+                    const float* v = v_row + (h / group - kv_begin) * head_dim;                   \
                     const float w = scores[h * max_seq_len + b * block_size + p];                 \
                     float* a = acc + h * head_dim;                                                \
                     PRAGMA(omp simd)                                                              \
@@ -141,11 +164,17 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        store_##SUFFIX(out_row, acc, num_heads * head_dim);                                       \
+        store_##SUFFIX(out_row + h_begin * head_dim, acc + h_begin * head_dim,                    \
+                       (h_end - h_begin) * head_dim);                                             \
     }
 
-/* The exported entry point: sequences in parallel, each with the head size made constant where
- * it is a common one. Returns 0, or -1 when a thread could not allocate its scratch. */
+/* Return codes of the entry points. */
+#define PAGED_DECODE_OK 0
+#define PAGED_DECODE_NO_MEMORY -1 /* a thread could not allocate its scratch */
+#define PAGED_DECODE_BAD_LENGTH -2 /* a seq_len outside [1, max_seq_len]: nothing read for it */
+
+/* The exported entry point: work items in parallel, the head size made constant where it is a
+ * common one. */
 #define DEFINE_PAGED_DECODE(SUFFIX, T)                                                              \
     DEFINE_ATTEND_SEQUENCE(SUFFIX, T)                                                             \
     int paged_decode_##SUFFIX(                                                                    \
@@ -154,46 +183,63 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
         const int32_t* query_start_loc, const int64_t* decode_seqs, int64_t num_decodes,          \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,            \
         int64_t max_seq_len, float scale, T* out, int64_t out_stride, int64_t num_threads) {      \
-        int failed = 0;                                                                           \
+        int status = PAGED_DECODE_OK;                                                             \
+        const int64_t splits = num_decodes >= 2 * num_threads ? 1 : num_kv_heads;                 \
+        const int64_t kv_per_item = num_kv_heads / splits;                                        \
+        const size_t scratch_floats =                                                             \
+            (size_t)SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len);              \
         (void)num_threads; /* without OpenMP: one thread */                                       \
-        PRAGMA(omp parallel num_threads(num_threads))                                             \
-        {                                                                                         \
-            float* scratch = (float*)malloc(                                                      \
-                sizeof(float) * SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len));  \
-            if (scratch == NULL) {                                                                \
+        PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(num_threads))                    \
+        for (int64_t item = 0; item < num_decodes * splits; ++item) {                             \
+            const int64_t seq = decode_seqs[item / splits];                                       \
+            const int64_t kv_begin = (item % splits) * kv_per_item;                               \
+            const int64_t len = seq_lens[seq];                                                    \
+            float* scratch = scratch_for(scratch_floats);                                         \
+            if (len < 1 || len > max_seq_len || scratch == NULL) {                                \
                 PRAGMA(omp atomic write)                                                          \
-                failed = 1;                                                                       \
+                status = scratch == NULL ? PAGED_DECODE_NO_MEMORY : PAGED_DECODE_BAD_LENGTH;      \
+                continue;                                                                         \
             }                                                                                     \
-            PRAGMA(omp for schedule(dynamic, 1))                                                  \
-            for (int64_t i = 0; i < num_decodes; ++i) {                                           \
-                if (scratch == NULL) continue;                                                    \
-                const int64_t seq = decode_seqs[i];                                               \
-                const int64_t row = query_start_loc[seq];                                         \
-                const T* q = query + row * query_stride;                                          \
-                T* o = out + row * out_stride;                                                    \
-                const int32_t* table = block_tables + seq * block_table_stride;                   \
-                const int64_t len = seq_lens[seq];                                                \
-                switch (head_dim) {                                                               \
-                    case 64:                                                                      \
-                        attend_sequence_##SUFFIX(q, key_cache, value_cache, table, len,           \
-                                                 num_heads, num_kv_heads, 64, block_size,         \
-                                                 max_seq_len, scale, o, scratch);                 \
-                        break;                                                                    \
-                    case 128:                                                                     \
-                        attend_sequence_##SUFFIX(q, key_cache, value_cache, table, len,           \
-                                                 num_heads, num_kv_heads, 128, block_size,        \
-                                                 max_seq_len, scale, o, scratch);                 \
-                        break;                                                                    \
-                    default:                                                                      \
-                        attend_sequence_##SUFFIX(q, key_cache, value_cache, table, len,           \
-                                                 num_heads, num_kv_heads, head_dim, block_size,   \
-                                                 max_seq_len, scale, o, scratch);                 \
-                }                                                                                 \
+            const int64_t row = query_start_loc[seq];                                             \
+            const T* q = query + row * query_stride;                                              \
+            T* o = out + row * out_stride;                                                        \
+            const int32_t* table = block_tables + seq * block_table_stride;                       \
+            const int64_t kv_end = kv_begin + kv_per_item;                                        \
+            switch (head_dim) {                                                                   \
+                case 64:                                                                          \
+                    attend_sequence_##SUFFIX(q, key_cache, value_cache, table, len, num_heads,    \
+                                             num_kv_heads, kv_begin, kv_end, 64, block_size,      \
+                                             max_seq_len, scale, o, scratch);                     \
+                    break;                                                                        \
+                case 128:                                                                         \
+                    attend_sequence_##SUFFIX(q, key_cache, value_cache, table, len, num_heads,    \
+                                             num_kv_heads, kv_begin, kv_end, 128, block_size,     \
+                                             max_seq_len, scale, o, scratch);                     \
+                    break;                                                                        \
+                default:                                                                          \
+                    attend_sequence_##SUFFIX(q, key_cache, value_cache, table, len, num_heads,    \
+                                             num_kv_heads, kv_begin, kv_end, head_dim,            \
+                                             block_size, max_seq_len, scale, o, scratch);         \
             }                                                                                     \
-            free(scratch);                                                                        \
         }                                                                                         \
-        return failed ? -1 : 0;                                                                   \
+        return status;                                                                            \
     }
+
+/* How many threads a parallel region of `num_threads` gets here: 1 without OpenMP. */
+int parallel_width(int64_t num_threads) {
+    int width = 1;
+    (void)num_threads;
+    PRAGMA(omp parallel num_threads(num_threads))
+    {
+        PRAGMA(omp single)
+        {
+#ifdef _OPENMP
+            width = omp_get_num_threads();
+#endif
+        }
+    }
+    return width;
+}
 
 DEFINE_PAGED_DECODE(f32, float)
 DEFINE_PAGED_DECODE(bf16, uint16_t)

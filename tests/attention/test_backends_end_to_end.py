@@ -10,6 +10,7 @@ import random
 import pytest
 
 from pagedray import LLM, SamplingParams
+from pagedray.attention import cpu_kernels
 from pagedray.attention.backend import ENV_VAR
 
 
@@ -33,7 +34,18 @@ def _generate(model: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> list
     return outputs
 
 
-@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not cpu_kernels.available(), reason="no working C compiler for the CPU kernels"
+            ),
+        ),
+    ],
+)
 def test_backend_matches_torch_reference(tiny_llama: str, backend: str, monkeypatch) -> None:
     assert _generate(tiny_llama, backend, monkeypatch) == _generate(
         tiny_llama, "torch", monkeypatch

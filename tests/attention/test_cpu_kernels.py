@@ -19,6 +19,7 @@ import torch
 from _paged_batch import SHAPES, assert_close, check_against_reference, random_batch
 
 from pagedray.attention import cpu_kernels, torch_ref
+from pagedray.attention.backend import ENV_VAR
 from pagedray.attention.cpu_backend import CPU_BACKEND
 
 pytestmark = pytest.mark.skipif(
@@ -71,9 +72,17 @@ def test_query_as_view_of_fused_projection() -> None:
     )
 
 
-def test_same_output_on_one_and_two_threads() -> None:
-    """Each (sequence, KV head) is one thread's work: the thread count cannot change a bit."""
-    batch = random_batch([1] * 6, [300, 5, 77, 129, 16, 1000], 4, 2, 64, 16, torch.float32)
+def test_kernel_runs_on_torchs_thread_count() -> None:
+    assert cpu_kernels.parallel_width(2) == 2  # the OpenMP build loaded, not the serial one
+    assert cpu_kernels.parallel_width(1) == 1
+
+
+@pytest.mark.parametrize("seq_lens", [[1000], [300, 5, 77, 129, 16, 1000]], ids=["one", "six"])
+def test_same_bits_on_one_and_two_threads(seq_lens: list[int]) -> None:
+    """One decode on two threads splits by KV head; more go one sequence a thread. Either way a
+    head's sums run in the same order, so the outputs agree to the bit, and with the reference."""
+    batch = random_batch([1] * len(seq_lens), seq_lens, 8, 2, 64, 16, torch.float32)
+    expected = torch_ref.paged_attention(*batch)
     before = torch.get_num_threads()
     try:
         outputs = []
@@ -84,6 +93,7 @@ def test_same_output_on_one_and_two_threads() -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outputs[0], outputs[1])
+    assert_close(outputs[1], expected)
 
 
 def test_block_offsets_past_int32() -> None:
@@ -116,18 +126,22 @@ def test_rejects_what_it_cannot_read() -> None:
         [1], [10], 4, 2, 64, 16, torch.float32
     )
     out = torch.empty_like(query)
-    seqs = torch.tensor([0])
-    args = (metadata.seq_lens, metadata.query_start_loc, seqs, 10, scale, out)
+    tables, lens, starts, seqs = (
+        metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, torch.tensor([0])
+    )  # fmt: skip
+    args = (lens, starts, seqs, 10, scale, out)
     with pytest.raises(ValueError, match="block_tables"):
-        cpu_kernels.paged_decode(query, key_cache, value_cache, metadata.block_tables.long(), *args)
+        cpu_kernels.paged_decode(query, key_cache, value_cache, tables.long(), *args)
     with pytest.raises(ValueError, match="share a dtype"):
-        cpu_kernels.paged_decode(
-            query, key_cache.double(), value_cache.double(), metadata.block_tables, *args
-        )
+        cpu_kernels.paged_decode(query, key_cache.double(), value_cache.double(), tables, *args)
+    with pytest.raises(ValueError, match="max_seq_len=9"):  # would overrun the scores scratch
+        short = (lens, starts, seqs, 9, scale, out)
+        cpu_kernels.paged_decode(query, key_cache, value_cache, tables, *short)
     with pytest.raises(ValueError, match="contiguous"):
-        cpu_kernels.paged_decode(
-            query, key_cache.transpose(1, 2), value_cache, metadata.block_tables, *args
-        )
+        cpu_kernels.paged_decode(query, key_cache.transpose(1, 2), value_cache, tables, *args)
+    cpu_kernels.paged_decode(query, key_cache, value_cache, tables, *args)  # and it still works
+    metadata.scratch.clear()
+    assert_close(out, torch_ref.paged_attention(query, key_cache, value_cache, metadata, scale))
 
 
 _PROBE = """
@@ -146,7 +160,8 @@ print(json.dumps({"available": available, "denormal_kept": denormal_kept, "backe
 
 
 def _probe(cache_dir: Path, **env: str) -> subprocess.Popen[str]:
-    full_env = {**os.environ, "PAGEDRAY_CACHE_DIR": str(cache_dir), **env}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("CC", ENV_VAR)}
+    full_env = {**inherited, "PAGEDRAY_CACHE_DIR": str(cache_dir), **env}
     return subprocess.Popen(
         [sys.executable, "-c", _PROBE], env=full_env, stdout=subprocess.PIPE, text=True
     )
@@ -178,3 +193,16 @@ def test_without_a_compiler_the_torch_reference_serves(tmp_path: Path) -> None:
     }
     forced = _result(_probe(tmp_path, CC="/bin/false", PAGEDRAY_ATTENTION_BACKEND="cpu"))
     assert forced["backend"].startswith("error: PAGEDRAY_ATTENTION_BACKEND=cpu")
+
+
+def test_unwritable_cache_builds_in_a_private_folder(tmp_path: Path) -> None:
+    """A read-only HOME or cache (random-UID pods) still gets the kernels, built privately."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert _result(_probe(blocked)) == {"available": True, "denormal_kept": True, "backend": "cpu"}
+
+
+def test_compiler_with_arguments_in_cc(tmp_path: Path) -> None:
+    """$CC may be a command line (`ccache gcc`, `gcc -m64`)."""
+    result = _result(_probe(tmp_path, CC="gcc -m64"))
+    assert result["backend"] == "cpu"
