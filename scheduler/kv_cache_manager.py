@@ -41,8 +41,12 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}  # hashes of full blocks
         # Leading table blocks already offered to the index, so each step only looks at new ones.
         self.num_cached_blocks: dict[str, int] = {}
-        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_queries = 0  # tokens looked up, at each request's first admission
         self.prefix_cache_hits = 0  # tokens found
+        # A preempted request's readmission finds its own freed blocks: counted apart (as vLLM
+        # does), or the hit rate would rise with preemption instead of with shared prefixes.
+        self.preempted_prefix_cache_queries = 0
+        self.preempted_prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -124,8 +128,13 @@ class KVCacheManager:
         fresh_blocks = self.block_pool.get_new_blocks(num_fresh)
         table.extend(fresh_blocks)
         if req.req_id not in self.req_to_blocks:  # admission: count the prefix-cache lookup
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += len(new_computed_blocks) * self.block_size
+            num_hits = len(new_computed_blocks) * self.block_size
+            if req.num_preemptions:
+                self.preempted_prefix_cache_queries += req.num_tokens
+                self.preempted_prefix_cache_hits += num_hits
+            else:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_hits
         self.req_to_blocks[req.req_id] = table
         new_block_ids = [block.block_id for block in new_computed_blocks]
         new_block_ids += [block.block_id for block in fresh_blocks]

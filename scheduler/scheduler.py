@@ -342,6 +342,8 @@ class Scheduler:
             "kv_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            "preempted_prefix_cache_queries": kv.preempted_prefix_cache_queries,
+            "preempted_prefix_cache_hits": kv.preempted_prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "num_computed_tokens_total": self.num_computed_tokens_total,
             "num_cow_copies": self.num_cow_copies,

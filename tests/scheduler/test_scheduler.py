@@ -450,6 +450,11 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it() -> None:
         )
     assert readmitted is not None
     assert readmitted.num_computed_tokens == 4  # b's first block was still cached
+    # The readmission's lookup (6 prompt + 3 output tokens, its own block found) is counted
+    # apart from the first admissions', which found nothing.
+    stats = scheduler.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (12, 0)
+    assert (stats["preempted_prefix_cache_queries"], stats["preempted_prefix_cache_hits"]) == (9, 4)
     assert len(readmitted.output_token_ids) == 3
     for req_id, prompt in prompts.items():
         assert (
