@@ -178,7 +178,9 @@ def free_port() -> int:
 class Server:
     """`pagedray serve` in a session of its own, with its own local Ray, logging to a file."""
 
-    def __init__(self, path: str, threads: int, tp: int, log_dir: Path) -> None:
+    def __init__(
+        self, path: str, threads: int, tp: int, log_dir: Path, stream_interval: int = 1
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         executable = Path(sys.executable).with_name("pagedray")
@@ -196,6 +198,8 @@ class Server:
             "float32",
             "--tensor-parallel-size",
             str(tp),
+            "--stream-interval",
+            str(stream_interval),
         ]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
         self.log_path = log_dir / f"serve_tp{tp}.log"
@@ -338,10 +342,12 @@ def run_http(server: Server, workload: Workload, stream: bool, tp: int) -> Run:
     return Run(name, tp, wall_s, sum(counts), texts, counts, others_s, ttft_s)
 
 
-def run_server(path: str, workload: Workload, threads: int, tp: int, timeout_s: float) -> list[Run]:
+def run_server(
+    path: str, workload: Workload, threads: int, tp: int, timeout_s: float, stream_interval: int
+) -> list[Run]:
     """Start a server, run the workload through it without and with streaming, stop it."""
     log_dir = Path(tempfile.mkdtemp(prefix="pagedray_http_bench_"))
-    server = Server(path, threads, tp, log_dir)
+    server = Server(path, threads, tp, log_dir, stream_interval)
     try:
         startup_s = server.wait_healthy(timeout_s)
         print(f"server tp={tp} healthy after {startup_s:.0f} s at {server.url}", flush=True)
@@ -418,6 +424,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp2", action="store_true", help="also TP=2, 1 thread per rank")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload")
     parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the server's --stream-interval (tokens)"
+    )
+    parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
     )
     return parser.parse_args()
@@ -427,7 +436,10 @@ def main() -> None:
     args = parse_args()
     num_requests = args.num_requests or (16 if args.quick else 64)
     path, workload = benchmark_workload(num_requests, args.quick, args.seed)
-    print(f"model {path}, {num_requests} requests, seed {args.seed}")
+    print(
+        f"model {path}, {num_requests} requests, seed {args.seed}, "
+        f"stream interval {args.stream_interval}"
+    )
     print(f"prompt tokens {workload.num_prompt_tokens}, output tokens {workload.num_output_tokens}")
     runs: list[Run] = []
     for tp, threads in [(1, args.threads)] + ([(2, 1)] if args.tp2 else []):
@@ -435,7 +447,9 @@ def main() -> None:
         print(f"-- tp={tp}, {threads} thread(s) per rank; load average {load}", flush=True)
         runs.append(run_offline(path, workload, threads, tp))
         print_progress(runs[-1])
-        runs.extend(run_server(path, workload, threads, tp, args.startup_timeout))
+        runs.extend(
+            run_server(path, workload, threads, tp, args.startup_timeout, args.stream_interval)
+        )
     report(workload, runs)
 
 

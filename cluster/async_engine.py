@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -47,11 +48,31 @@ class RequestStepOutput:
 
 
 def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
-    """Consecutive outputs of one request as one message (deltas in order, the last's status)."""
+    """Consecutive outputs of one request as one message, the last's status.
+
+    Each choice's deltas fold into one (text, tokens and logprobs joined in order): a client
+    then gets one chunk per choice for the whole span, as from vLLM's `--stream-interval`.
+    """
     last = outputs[-1]
-    deltas = [delta for output in outputs for delta in output.deltas]
+    folded: dict[int, ChoiceDelta] = {}
+    for output in outputs:
+        for delta in output.deltas:
+            earlier = folded.get(delta.index)
+            folded[delta.index] = delta if earlier is None else _join(earlier, delta)
     return RequestStepOutput(
-        last.request_id, deltas, last.finished, last.usage, last.metrics, last.error
+        last.request_id, list(folded.values()), last.finished, last.usage, last.metrics, last.error
+    )
+
+
+def _join(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    return dataclasses.replace(
+        later,
+        text=earlier.text + later.text,
+        token_ids=earlier.token_ids + later.token_ids,
+        logprobs=logprobs,
     )
 
 

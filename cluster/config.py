@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
     # How a step reaches the worker actors: named pipes on the node, a Ray Compiled Graph, or
     # plain actor calls (see cluster/ray_executor.py).
     dispatch: Literal["actor", "compiled", "pipe"] = "pipe"
+    # A streamed request gets a message once this many tokens have accumulated (the first token
+    # and the finish at once), as vLLM's --stream-interval: fewer, larger messages through Serve.
+    stream_interval: int = Field(1, ge=1)
 
     def resolved_max_model_len(self) -> int:
         """The model's context limit, lowered by `max_model_len` and any sliding window."""

@@ -84,22 +84,30 @@ class EngineDeployment:
             yield error_output(request_id, exc)
             return
         yield RequestStepOutput(request_id)  # accepted
-        # A client that does not stream gets one message, not one per engine step: every
-        # message through Serve costs the replica, the ingress and the proxy CPU time.
-        collected: list[RequestStepOutput] | None = None if request.get("stream", True) else []
+        # Every message through Serve costs the replica, the ingress and the proxy CPU time, so
+        # outputs are held and merged: a client that does not stream gets one message, a
+        # streaming one a message every `stream_interval` tokens (the first token at once).
+        interval = self.config.stream_interval if request.get("stream", True) else None
+        held: list[RequestStepOutput] = []
+        held_tokens, sent_tokens = 0, False
         # NOTE: closing the stream on cancellation or disconnect aborts the request in the engine.
         async with contextlib.aclosing(stream):
             try:
                 async for output in stream:
-                    if collected is None:
-                        yield output
-                    else:
-                        collected.append(output)
+                    held.append(output)
+                    # Tokens per choice: with n > 1 every choice advances each step.
+                    held_tokens += max((len(d.token_ids) for d in output.deltas), default=0)
+                    if output.finished or (
+                        interval is not None and (held_tokens >= interval or not sent_tokens)
+                    ):
+                        yield held[0] if len(held) == 1 else merge_step_outputs(held)
+                        sent_tokens = sent_tokens or held_tokens > 0
+                        held, held_tokens = [], 0
             except Exception as exc:  # noqa: BLE001
-                collected = None
+                held = []
                 yield error_output(request_id, exc)
-        if collected:
-            yield merge_step_outputs(collected)
+        if held:
+            yield merge_step_outputs(held)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -40,6 +40,12 @@ def add_serve_parser(commands: Any) -> None:
         choices=list(typing.get_args(dispatch.annotation)),
         help="how each step reaches the worker actors",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="streamed responses send a chunk every N tokens (default 1: every token)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PAGEDRAY_API_KEY"))
@@ -67,6 +73,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         "num_threads": args.num_threads,
         "device": args.device,
         "dispatch": args.dispatch,
+        "stream_interval": args.stream_interval,
         "num_replicas": args.num_replicas,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,

@@ -13,6 +13,7 @@ from pagedray.cluster.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
     RequestStepOutput,
+    merge_step_outputs,
 )
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.engine_factory import build_engine
@@ -131,3 +132,29 @@ def test_stuck_step_is_unhealthy(tiny_llama: str) -> None:
         await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_merged_outputs_fold_each_choice(tiny_llama: str) -> None:
+    """Merging a request's step outputs (coalescing, stream interval) gives one delta a choice,
+    the same text, tokens and logprobs in order, and the last step's finish."""
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=5, logprobs=1, ignore_eos=True)
+
+    async def run() -> list[RequestStepOutput]:
+        engine, tokenizer = _engine(tiny_llama)
+        try:
+            return await _drain(engine.add_request("m", tokenizer.encode("merge me"), params))
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(run())
+    assert len(outputs) > 2  # several steps to merge
+    merged = merge_step_outputs(outputs)
+    assert merged.finished and merged.usage == outputs[-1].usage
+    assert sorted(d.index for d in merged.deltas) == [0, 1]
+    for delta in merged.deltas:
+        steps = [d for o in outputs for d in o.deltas if d.index == delta.index]
+        assert delta.text == _text(outputs, delta.index)
+        assert delta.token_ids == [t for d in steps for t in d.token_ids]
+        assert len(delta.token_ids) == 5
+        assert delta.logprobs == [entry for d in steps for entry in d.logprobs]
+        assert delta.finish_reason == steps[-1].finish_reason == "length"

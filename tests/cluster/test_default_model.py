@@ -68,7 +68,9 @@ def test_files_and_config(tiny_models: dict[str, Path], arch: str) -> None:
     assert len(tokenizer) == config["vocab_size"]
     assert tokenizer.convert_ids_to_tokens(list(range(len(SPECIAL_TOKENS)))) == list(SPECIAL_TOKENS)
     assert (config["pad_token_id"], config["bos_token_id"], config["eos_token_id"]) == (
-        tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
     )
 
 

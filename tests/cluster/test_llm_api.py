@@ -166,9 +166,17 @@ ARCH_MODELS = {
 @pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
 def test_checkpoint_saved_by_transformers(arch: str, tiny_llama: str, tmp_path) -> None:
     config = ARCH_CONFIGS[arch](
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.1, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
     )
     torch.manual_seed(3)
     model = ARCH_MODELS[arch](config).eval()
@@ -179,8 +187,13 @@ def test_checkpoint_saved_by_transformers(arch: str, tiny_llama: str, tmp_path) 
     model.generation_config.eos_token_id = None
     with torch.inference_mode():
         ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                             do_sample=False, pad_token_id=0)
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert ours.outputs[0].token_ids == ref[0, 21:].tolist()
 
 

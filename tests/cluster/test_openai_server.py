@@ -370,7 +370,7 @@ def test_both_replicas_serve(client: openai.OpenAI, main_url: str) -> None:
     assert all(r["num_steps"] > 0 for r in replicas), replicas
 
 
-# ---- the limited app: API key, waiting-queue bound ----------------------------------------
+# ---- the limited app: API key, waiting-queue bound, stream interval ------------------------
 
 
 @pytest.fixture(scope="class")
@@ -383,6 +383,7 @@ def limited_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
         "api_key": API_KEY,
         "max_num_seqs": 1,
         "max_num_waiting": 1,
+        "stream_interval": 4,
     }
     yield from _deploy(serve_url, "limited", build_app(args))
 
@@ -399,6 +400,24 @@ class TestLimitedApp:
             wrong.models.list()
         right = openai.OpenAI(base_url=f"{limited_url}/v1", api_key=API_KEY, max_retries=0)
         assert right.completions.create(**body).usage.completion_tokens == 2
+
+    def test_stream_interval_sends_chunks_of_n_tokens(self, limited_url: str) -> None:
+        client = openai.OpenAI(base_url=f"{limited_url}/v1", api_key=API_KEY, max_retries=0)
+        kwargs: dict[str, Any] = dict(
+            model=MODEL,
+            prompt="interval",
+            max_tokens=10,
+            temperature=0,
+            logprobs=1,
+            extra_body={"ignore_eos": True},
+        )
+        whole = client.completions.create(**kwargs).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+        # The first token at once, then every 4 tokens, the rest with the finish.
+        assert [len(c.logprobs.tokens) for c in chunks] == [1, 4, 4, 1]
+        assert [c.finish_reason for c in chunks] == [None, None, None, "length"]
+        assert "".join(c.text for c in chunks) == whole.text
+        assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
 
     def test_full_waiting_queue_gives_503(self, limited_url: str) -> None:
         headers = {"Authorization": f"Bearer {API_KEY}"}

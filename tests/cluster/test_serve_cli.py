@@ -40,6 +40,8 @@ def test_flags_become_app_args(tiny_llama: str) -> None:
             "9000",
             "--address",
             "auto",
+            "--stream-interval",
+            "8",
         ]
     )
     app_args = serve_app_args(args)
@@ -51,13 +53,15 @@ def test_flags_become_app_args(tiny_llama: str) -> None:
         8,
     )
     assert app_args["max_num_batched_tokens"] == 512 and app_args["api_key"] == "k"
+    assert app_args["stream_interval"] == 8
     assert (args.host, args.port, args.address) == ("127.0.0.1", 9000, "auto")
     assert isinstance(build_app(app_args), Application)
 
 
 def test_no_model_means_the_default() -> None:
     args = _parse([])
-    assert "model" not in serve_app_args(args)  # build_app then serves default_model_path()
+    assert "model" not in serve_app_args(args)
+    assert "stream_interval" not in serve_app_args(args)  # EngineConfig's default, 1  # build_app then serves default_model_path()
 
 
 def test_each_replica_reserves_its_tp_group(tiny_llama: str) -> None:
