@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from pagedray.scheduler.messages import CachedRequestData, NewRequestData
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -27,7 +26,6 @@ class CachedRequestState:
     sampling_params: SamplingParams
     num_block_ids: int  # filled entries of this row's block table
     num_computed_tokens: int
-    generator: torch.Generator | None  # seeded requests only
 
     @property
     def num_tokens(self) -> int:
@@ -58,9 +56,6 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         params = new.sampling_params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
         state = CachedRequestState(
             req_id=new.req_id,
             row=row,
@@ -69,7 +64,6 @@ class InputBatch:
             sampling_params=params,
             num_block_ids=len(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            generator=generator,
         )
         self.requests[new.req_id] = state
         return state

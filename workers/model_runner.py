@@ -127,7 +127,7 @@ class ModelRunner:
         num_samples = params.n if not state.output_token_ids else 1
         return SamplingRow(
             params=params,
-            generator=state.generator,
+            seed=params.seed,
             prompt_token_ids=state.prompt_token_ids,
             output_token_ids=state.output_token_ids,
             num_samples=num_samples,

@@ -3,6 +3,11 @@
 Greedy batches without penalties take a single batched argmax (the common case, every step); the
 general path applies min_tokens masking, penalties, temperature, top-k/top-p/min-p as per-row
 tensors over the whole batch, so per-row Python work stays limited to building those tensors.
+
+A seeded row draws from a generator keyed by (seed, output position), not from one that advances
+with every draw: the token at a position then depends only on the seed and that position's
+probabilities, so a request preempted and recomputed, or resumed on another worker, draws
+exactly what it would have drawn uninterrupted.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ class SamplingRow:
     """One sequence to sample for this step."""
 
     params: SamplingParams
-    generator: torch.Generator | None  # per-request generator (seeded); None: the default one
+    seed: int | None  # the request's seed; None: the sampler's default generator
     prompt_token_ids: list[int]  # token ids
     output_token_ids: list[int]  # token ids generated so far
     num_samples: int = 1  # params.n at the step an n > 1 prompt forks, else 1
@@ -192,13 +197,13 @@ class Sampler:
         samples: list[list[int]] = [[] for _ in rows]
         unseeded: dict[int, list[int]] = {}  # num_samples -> positions in rows
         for i, row in enumerate(rows):
-            if row.generator is None:
+            if row.seed is None:
                 unseeded.setdefault(row.num_samples, []).append(i)
                 continue
-            # One call per seeded row: its draw depends only on its own generator and its own
-            # probabilities, never on which other rows share the batch.
+            # One call per seeded row: its draw depends only on its seed, its position and its
+            # own probabilities, never on which other rows share the batch.
             samples[i] = torch.multinomial(
-                probs[i], row.num_samples, replacement=True, generator=row.generator
+                probs[i], row.num_samples, replacement=True, generator=_draw_generator(row, probs)
             ).tolist()
         for num_samples, positions in unseeded.items():
             group = probs
@@ -210,6 +215,22 @@ class Sampler:
             for i, token_ids in zip(positions, drawn):
                 samples[i] = token_ids
         return samples
+
+
+def _draw_generator(row: SamplingRow, probs: torch.Tensor) -> torch.Generator:
+    """The generator for `row`'s draw at its next output position, on the device of `probs`."""
+    position = len(row.output_token_ids)
+    assert row.seed is not None
+    return torch.Generator(device=probs.device).manual_seed(_mix64(row.seed, position))
+
+
+def _mix64(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): nearby seeds and positions give unrelated streams."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 1) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
 def _banned_token_ids(row: SamplingRow, eos_token_ids: tuple[int, ...]) -> list[int]:

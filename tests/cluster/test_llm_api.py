@@ -202,3 +202,21 @@ def test_more_samples_than_max_num_seqs_is_refused(tiny_llama: str) -> None:
     with pytest.raises(ValueError, match="^n: must be at most max_num_seqs=2"):
         llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(n=3), use_tqdm=False)
     assert llm.stats()["num_free_blocks"] == 32
+
+
+def test_seeded_sampling_is_the_same_under_preemption(llm: LLM, tiny_llama: str) -> None:
+    """A seeded request draws the same tokens whether or not it was preempted and recomputed,
+    n > 1 included: each draw is keyed by (seed, output position), not by a generator's history."""
+    prompts = [{"prompt_token_ids": _ids(24, seed=200 + i)} for i in range(6)]
+    params = [
+        SamplingParams(n=1 + i % 2, temperature=1.0, top_p=0.95, seed=40 + i, max_tokens=24)
+        for i in range(6)
+    ]
+    roomy = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["num_preemptions"] == 0
+    tight = LLM(tiny_llama, dtype="float32", num_kv_blocks=8, block_size=16)
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.stats()["num_preemptions"] > 0
+    for a, b in zip(roomy, squeezed):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert tight.stats()["num_free_blocks"] == 8

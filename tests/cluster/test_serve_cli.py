@@ -60,8 +60,8 @@ def test_flags_become_app_args(tiny_llama: str) -> None:
 
 def test_no_model_means_the_default() -> None:
     args = _parse([])
-    assert "model" not in serve_app_args(args)
-    assert "stream_interval" not in serve_app_args(args)  # EngineConfig's default, 1  # build_app then serves default_model_path()
+    assert "model" not in serve_app_args(args)  # build_app then serves default_model_path()
+    assert "stream_interval" not in serve_app_args(args)  # EngineConfig's default, 1
 
 
 def test_each_replica_reserves_its_tp_group(tiny_llama: str) -> None:

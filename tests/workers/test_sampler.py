@@ -30,10 +30,9 @@ def row(
     num_samples: int = 1,
     **params: object,
 ) -> SamplingRow:
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return SamplingRow(
         params=SamplingParams(seed=seed, **params),  # type: ignore[arg-type]
-        generator=generator,
+        seed=seed,
         prompt_token_ids=prompt if prompt is not None else [1, 2, 3],
         output_token_ids=output if output is not None else [],
         num_samples=num_samples,
@@ -83,6 +82,18 @@ def test_seeded_rows_independent_of_batch_composition() -> None:
     assert len(set(alone[0].token_ids)) > 1  # really sampled, not collapsed to one token
     other_seed = make_sampler(0)(target, [row(seed=4321, num_samples=16, top_p=0.9)])
     assert other_seed[0].token_ids != alone[0].token_ids
+
+
+def test_seeded_draw_is_keyed_by_output_position() -> None:
+    """Same seed and position: the same draw, whatever came before (a recomputed request);
+    the next position: a fresh draw, not a repeat of the last."""
+    logits = random_logits(1, vocab=64)
+    sampler = make_sampler(0)
+    first = sampler(logits, [row(seed=5, output=[1, 2], num_samples=32)])[0].token_ids
+    sampler(logits, [row(seed=5, output=[9], num_samples=32)])  # unrelated draws in between
+    again = sampler(logits, [row(seed=5, output=[3, 4], num_samples=32)])[0].token_ids
+    assert again == first
+    assert sampler(logits, [row(seed=5, output=[1, 2, 3], num_samples=32)])[0].token_ids != first
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
