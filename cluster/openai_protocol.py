@@ -53,8 +53,6 @@ class _GenerationRequest(BaseModel):
     def _check_common(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt: must be a non-empty string")
         return self
@@ -83,7 +81,21 @@ class _GenerationRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_bias(self.logit_bias),
         )
+
+
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    bias = {}
+    for key, value in logit_bias.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+    return bias
 
 
 class CompletionRequest(_GenerationRequest):

@@ -32,6 +32,13 @@ class PromptValidator:
             raise ValueError(
                 f"sampling_params: expected SamplingParams, got {type(params).__name__}"
             )
+        if params.logit_bias:
+            outside = [t for t in params.logit_bias if t >= self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
         if params.n > self.max_num_seqs:
             # Its n sequences could never run together.
             raise ValueError(f"n: must be at most max_num_seqs={self.max_num_seqs}, got {params.n}")

@@ -12,6 +12,7 @@ from typing import Any
 # Temperatures below this are treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on |bias|
 
 
 @dataclass
@@ -39,6 +40,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # token id -> added to its logit before any other processing (OpenAI's logit_bias); -100
+    # bans a token, +100 all but forces it.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -91,6 +95,21 @@ class SamplingParams:
         )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if self.logit_bias is not None:
+            _check(
+                isinstance(self.logit_bias, dict)
+                and all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                "logit_bias",
+                "must map non-negative integer token ids to biases",
+            )
+            _check(
+                all(
+                    isinstance(b, (int, float)) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for b in self.logit_bias.values()
+                ),
+                "logit_bias",
+                f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
 
     @property
     def greedy(self) -> bool:

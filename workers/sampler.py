@@ -1,8 +1,9 @@
 """Turns one step's last-position logits into next tokens, with vLLM's sampling semantics.
 
-Greedy batches without penalties take a single batched argmax (the common case, every step); the
-general path applies min_tokens masking, penalties, temperature, top-k/top-p/min-p as per-row
-tensors over the whole batch, so per-row Python work stays limited to building those tensors.
+Greedy batches without penalties or biases take a single batched argmax (the common case, every
+step); the general path applies logit_bias, min_tokens masking, penalties, temperature and
+top-k/top-p/min-p as per-row tensors over the whole batch, so per-row Python work stays limited
+to building those tensors.
 
 A seeded row draws from a generator keyed by (seed, output position), not from one that advances
 with every draw: the token at a position then depends only on the seed and that position's
@@ -46,6 +47,23 @@ def has_penalties(params: SamplingParams) -> bool:
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
     )
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Adds each row's logit_bias to its logits, in place (ids were checked against the vocab)."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            token_idx.append(token_id)
+            biases.append(bias)
+    if row_idx:
+        device = logits.device
+        index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
+        values = torch.tensor(biases, dtype=logits.dtype, device=device)
+        logits.index_put_(index, values, accumulate=True)
 
 
 def apply_min_tokens(
@@ -150,12 +168,14 @@ class Sampler:
         params = row.params
         return (
             params.greedy
+            and not params.logit_bias
             and not has_penalties(params)
             and not _banned_token_ids(row, self.eos_token_ids)
         )
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
         logits = logits.clone()  # the raw logits stay intact for logprobs
+        apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
         apply_penalties(logits, rows)
         samples: list[list[int]] = [[] for _ in rows]

@@ -73,6 +73,11 @@ def test_parallel_sampling_prefills_once_and_copies_the_shared_tail(llm: LLM) ->
         ("", None, "prompt"),
         ({"prompt_token_ids": [1, 10**6]}, None, "prompt_token_ids"),
         (42, None, "prompt"),
+        (
+            {"prompt_token_ids": [1, 2]},
+            SamplingParams(logit_bias={10**6: 5.0}, max_tokens=4),
+            "logit_bias",
+        ),
     ],
 )
 def test_bad_prompt_raises_and_allocates_nothing(llm: LLM, prompt, params, field) -> None:
@@ -94,6 +99,9 @@ def test_bad_prompt_raises_and_allocates_nothing(llm: LLM, prompt, params, field
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": 5}, "stop"),
         ({"logprobs": 99}, "logprobs"),
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"3": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_field_and_limit(kwargs, field) -> None:
@@ -220,3 +228,15 @@ def test_seeded_sampling_is_the_same_under_preemption(llm: LLM, tiny_llama: str)
     for a, b in zip(roomy, squeezed):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert tight.stats()["num_free_blocks"] == 8
+
+
+def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
+    prompt = {"prompt_token_ids": _ids(12, seed=31)}
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    forced = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={42: 100})
+    assert llm.generate(prompt, forced, use_tqdm=False)[0].outputs[0].token_ids == [42] * 8
+    banned = GREEDY.clone(logit_bias={plain[0]: -100})
+    first = llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert plain[0] not in first
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=8, logit_bias={42: 100})
+    assert llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0].token_ids == [42] * 8

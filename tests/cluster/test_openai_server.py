@@ -233,6 +233,9 @@ def test_batch_of_prompts_and_echo(client: openai.OpenAI) -> None:
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x " * 2000}, 400, "prompt"),
         ("/v1/completions", {"prompt": [99999]}, 400, "prompt_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"3": 101}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": 5}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -247,6 +250,21 @@ def test_bad_requests_are_refused(
     if param is not None:
         assert error["param"] == param
     assert error["code"] == status
+
+
+def test_logit_bias_through_the_sdk(client: openai.OpenAI, offline: LLM) -> None:
+    forced = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={42: 100})
+    expected = offline.generate("bias", forced, use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids == [42] * 6
+    kwargs: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0, logit_bias={"42": 100})
+    completion = client.completions.create(**kwargs, prompt="bias")
+    assert completion.choices[0].text == expected.text
+    chat = client.chat.completions.create(
+        **kwargs, messages=[{"role": "user", "content": "hi"}], logprobs=True
+    )
+    tokens = [t.token for t in chat.choices[0].logprobs.content]
+    assert len(tokens) == 6 and len(set(tokens)) == 1
+    assert "".join(tokens) == expected.text
 
 
 def test_engine_serves_after_errors(client: openai.OpenAI, main_url: str) -> None:

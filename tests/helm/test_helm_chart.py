@@ -35,6 +35,7 @@ STANDARD_LABELS = (
 
 # ---- KubeRay's schema, read as the API server would with strict field validation -------------
 
+
 def _kube_schema(node: Any) -> Any:
     """An OpenAPI v3 CRD schema as JSON Schema: int-or-string, nullable, and unknown fields refused
     (the API server prunes them silently; `kubectl apply --validate=strict` refuses them)."""
@@ -86,6 +87,7 @@ def validate_rayservice(rayservice: dict[str, Any]) -> None:
 
 
 # ---- rendering ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def chart() -> helm.Chart:
@@ -140,6 +142,7 @@ def _serve_application(rayservice: dict[str, Any]) -> Any:
 
 # ---- lint and schema ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("values", [{}, TP4_X2, MONITORING_ON], ids=["default", "tp4x2", "mon"])
 def test_lint_is_clean(values: dict[str, Any]) -> None:
     report = helm.lint(CHART, values or None, strict=True, namespace=NAMESPACE)
@@ -187,6 +190,7 @@ def test_engine_larger_than_a_pod_fails(chart: helm.Chart) -> None:
 
 
 # ---- what the RayService runs ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("tensor_parallel_size", "replicas", "gpus_per_pod", "pods"),
@@ -294,6 +298,7 @@ def test_engine_values_reach_the_app_args(chart: helm.Chart) -> None:
 
 
 # ---- model, service, monitoring, labels --------------------------------------------------------
+
 
 def _pod_templates(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
     """The head's and the GPU workers' pod templates."""

@@ -229,3 +229,22 @@ def test_num_samples_returns_that_many_tokens() -> None:
     fast = make_sampler()(logits, [row(temperature=0.0, num_samples=4, logprobs=1)] * 2)
     assert tokens(fast) == [[int(t)] * 4 for t in logits.argmax(dim=-1)]
     assert all(lp[2] == 1 for lp in fast[0].logprobs)
+
+
+def test_logit_bias_is_added_before_everything_else() -> None:
+    logits = random_logits(3, vocab=VOCAB, seed=4)
+    top = logits.argmax(dim=-1).tolist()
+    rows = [
+        row(temperature=0.0, logit_bias={top[0]: -100.0}),  # the argmax banned
+        row(seed=2, num_samples=64, logit_bias={5: 100.0}),  # one token all but certain
+        row(temperature=0.0),  # untouched
+    ]
+    out = make_sampler()(logits, rows)
+    expected_first = logits[0].clone()
+    expected_first[top[0]] -= 100.0
+    assert out[0].token_ids == [int(expected_first.argmax())]
+    assert out[1].token_ids == [5] * 64
+    assert out[2].token_ids == [top[2]]
+    # A biased greedy batch leaves the argmax fast path.
+    alone = make_sampler()(logits[:1], [row(temperature=0.0, logit_bias={top[0]: -100.0})])
+    assert alone[0].token_ids == out[0].token_ids
