@@ -8,6 +8,7 @@ are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as Open
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -119,18 +120,38 @@ class UsageCounter:
 
 
 class LogprobFormatter:
-    """Token logprobs in the completions and chat formats (token strings decoded one by one)."""
+    """Token logprobs in the completions and chat formats (token strings decoded one by one).
+
+    A token that is only part of a UTF-8 character decodes to U+FFFD on its own, so several such
+    tokens would share one string and collide as keys of a completions `top_logprobs` dict.
+    As OpenAI does, they are named by their bytes instead (`bytes:\\xe2\\x80`), and chat's
+    `bytes` field carries the token's real bytes.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._token_strs: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strs.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])
+            if "\ufffd" in text:
+                raw = self.token_bytes(token_id)
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:  # part of a character: named by its bytes
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
             self._token_strs[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = _token_bytes(self.tokenizer, token_id)
+            self._token_bytes[token_id] = raw
+        return raw
 
     def completion(self, delta: ChoiceDelta, text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -140,7 +161,8 @@ class LogprobFormatter:
             result.token_logprobs.append(entries.get(token_id))
             result.top_logprobs.append({self.token_str(t): lp for t, lp in entries.items()})
             result.text_offset.append(text_offset)
-            text_offset += len(token)
+            # Advanced by the token's decoded text, not by a `bytes:` name.
+            text_offset += len(token) if not token.startswith("bytes:") else 1
         return result
 
     def chat(self, delta: ChoiceDelta, num_top: int) -> list[ChatTokenLogprob]:
@@ -158,7 +180,40 @@ class LogprobFormatter:
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_str(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+        return TopLogprob(token=token, logprob=logprob, bytes=list(self.token_bytes(token_id)))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the inverse of bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for: its decoded text where that is whole characters; else
+    read from its piece, SentencePiece byte fallback (`<0xA1>`) or byte-level BPE (GPT-2,
+    Llama 3, Qwen)."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode("utf-8")
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:

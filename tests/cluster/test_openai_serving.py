@@ -1,0 +1,42 @@
+"""Logprob formatting for the OpenAI responses, on the tiny model's real byte-level tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagedray.cluster.openai_serving import LogprobFormatter
+from pagedray.cluster.output_processor import ChoiceDelta
+
+
+@pytest.fixture(scope="module")
+def formatter(tiny_llama: str) -> LogprobFormatter:
+    return LogprobFormatter(AutoTokenizer.from_pretrained(tiny_llama))
+
+
+def test_every_token_has_its_own_name(formatter: LogprobFormatter) -> None:
+    """Tokens that are parts of a character would all decode to U+FFFD; they get `bytes:` names
+    (as OpenAI's), so no two tokens collide as top_logprobs keys."""
+    vocab = formatter.tokenizer.vocab_size
+    names = [formatter.token_str(t) for t in range(vocab)]
+    assert len(set(names)) == vocab
+    partial = [n for n in names if n.startswith("bytes:")]
+    assert partial and all("\ufffd" not in n for n in names)
+
+
+def test_token_bytes_rebuild_the_text(formatter: LogprobFormatter, tiny_llama: str) -> None:
+    tokenizer = formatter.tokenizer
+    ids = tokenizer.encode("naïve café — ünïcödé ✓ 日本")
+    assert b"".join(formatter.token_bytes(t) for t in ids).decode("utf-8") == tokenizer.decode(ids)
+
+
+def test_partial_character_tokens_keep_their_top_logprobs(formatter: LogprobFormatter) -> None:
+    vocab = formatter.tokenizer.vocab_size
+    partial = [t for t in range(vocab) if formatter.token_str(t).startswith("bytes:")][:3]
+    entries = {t: -1.0 - i for i, t in enumerate(partial)}
+    delta = ChoiceDelta("r", 0, "\ufffd", [partial[0]], [entries], None, None)
+    completion = formatter.completion(delta, text_offset=0)
+    assert len(completion.top_logprobs[0]) == 3
+    chat = formatter.chat(delta, num_top=3)[0]
+    assert chat.bytes == list(formatter.token_bytes(partial[0]))
+    assert len(chat.bytes) == 1 and chat.bytes[0] >= 0x80
