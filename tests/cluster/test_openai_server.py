@@ -177,12 +177,13 @@ def test_stop_string_across_token_boundary(client: openai.OpenAI) -> None:
         extra_body={"ignore_eos": True},
     )
     full = client.completions.create(**kwargs, logprobs=0).choices[0]
-    tokens, text = full.logprobs.tokens, full.text
-    # A stop string made of the end of one token and the start of the next.
+    tokens, text, offsets = full.logprobs.tokens, full.text, full.logprobs.text_offset
+    # A stop string made of the end of one token and the start of the next, read from the text
+    # (token names of partial characters are `bytes:` names, not text).
     stop = None
     for i in range(2, len(tokens) - 1):
-        candidate = tokens[i][-1:] + tokens[i + 1][:1]
-        if len(candidate) == 2 and text.find(candidate) == full.logprobs.text_offset[i + 1] - 1:
+        candidate = text[offsets[i + 1] - 1 : offsets[i + 1] + 1]
+        if len(candidate) == 2 and text.find(candidate) == offsets[i + 1] - 1:
             stop = candidate
             break
     assert stop is not None, tokens
