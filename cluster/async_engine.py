@@ -73,6 +73,7 @@ def _join(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
         text=earlier.text + later.text,
         token_ids=earlier.token_ids + later.token_ids,
         logprobs=logprobs,
+        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
     )
 
 

@@ -121,6 +121,7 @@ class OpenAIIngress:
             num_logprobs=body.logprobs,
             include_usage=body.include_usage,
             echo=[self._prompt_text(p) for p in prompts] if body.echo else None,
+            echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
         )
         streams = await self._open(ctx.request_id, prompts, params, body.priority, body.stream)
         if isinstance(streams, Response):

@@ -61,7 +61,9 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ValueError "field: message" on an out-of-range value."""
         return SamplingParams(
             n=self.n,
@@ -82,6 +84,7 @@ class _GenerationRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_bias(self.logit_bias),
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -113,8 +116,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs needs prompt logprobs, not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -129,7 +130,9 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo with logprobs: the prompt's tokens get logprobs too, as OpenAI's legacy API does.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(BaseModel):

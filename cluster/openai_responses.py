@@ -46,6 +46,7 @@ class ResponseContext:
     num_logprobs: int | None  # top logprobs per token; None = logprobs not requested
     include_usage: bool = False
     echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
+    echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
 
     @property
     def num_choices(self) -> int:
@@ -56,6 +57,13 @@ class ResponseContext:
 
     def echo_text(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
+
+    def echo_logprobs(self, index: int, delta: ChoiceDelta) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs, once the delta carrying them arrives (echo + logprobs)."""
+        if not self.echo_token_ids or self.num_logprobs is None or not delta.prompt_logprobs:
+            return None
+        token_ids = self.echo_token_ids[index // self.n]
+        return self.logprobs.prompt(token_ids, delta.prompt_logprobs)
 
 
 @dataclass
@@ -80,6 +88,10 @@ async def _collect(
             usage.add(output)
             for delta in output.deltas:
                 choice = choices[ctx.index(prompt_index, delta)]
+                index = ctx.index(prompt_index, delta)
+                echoed = ctx.echo_logprobs(index, delta)
+                if echoed is not None:  # before the generated tokens, as the text is
+                    choice.completion_logprobs = _joined(echoed, choice.completion_logprobs)
                 if ctx.num_logprobs is not None and chat:
                     choice.chat_logprobs += ctx.logprobs.chat(delta, ctx.num_logprobs)
                 elif ctx.num_logprobs is not None:
@@ -146,7 +158,8 @@ async def chat_response(
 async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
     """`text_completion` chunks, then a usage chunk if asked, then `[DONE]`."""
     offsets = [len(ctx.echo_text(i)) for i in range(ctx.num_choices)]
-    if ctx.echo:
+    # With logprobs, a choice's echo waits for its first delta, which brings the prompt's.
+    if ctx.echo and ctx.num_logprobs is None:
         for i in range(ctx.num_choices):
             choice = CompletionChoice(index=i, text=ctx.echo_text(i))
             yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
@@ -159,6 +172,10 @@ async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> Asy
                 yield sse(chunk)
             break
         index = ctx.index(prompt_index, delta)
+        echoed = ctx.echo_logprobs(index, delta)
+        if echoed is not None:
+            choice = CompletionChoice(index=index, text=ctx.echo_text(index), logprobs=echoed)
+            yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
         logprobs = None
         if ctx.num_logprobs is not None:
             logprobs = ctx.logprobs.completion(delta, offsets[index])
@@ -244,6 +261,13 @@ async def with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def _info(usage: UsageCounter | None) -> UsageInfo:
     return (usage or UsageCounter()).info()
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    joined = CompletionLogprobs()
+    _extend(joined, first)
+    _extend(joined, then)
+    return joined
 
 
 def _extend(target: CompletionLogprobs, part: CompletionLogprobs) -> None:

@@ -161,8 +161,24 @@ class LogprobFormatter:
             result.token_logprobs.append(entries.get(token_id))
             result.top_logprobs.append({self.token_str(t): lp for t, lp in entries.items()})
             result.text_offset.append(text_offset)
-            # Advanced by the token's decoded text, not by a `bytes:` name.
-            text_offset += len(token) if not token.startswith("bytes:") else 1
+            text_offset += _text_length(token)
+        return result
+
+    def prompt(
+        self, token_ids: list[int], prompt_logprobs: list[dict[int, float] | None]
+    ) -> CompletionLogprobs:
+        """An echoed prompt's tokens: the first has no logprob (nothing precedes it)."""
+        result = CompletionLogprobs()
+        text_offset = 0
+        for token_id, entries in zip(token_ids, prompt_logprobs):
+            token = self.token_str(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None if entries is None else entries.get(token_id))
+            result.top_logprobs.append(
+                None if entries is None else {self.token_str(t): lp for t, lp in entries.items()}
+            )
+            result.text_offset.append(text_offset)
+            text_offset += _text_length(token)
         return result
 
     def chat(self, delta: ChoiceDelta, num_top: int) -> list[ChatTokenLogprob]:
@@ -181,6 +197,11 @@ class LogprobFormatter:
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_str(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(self.token_bytes(token_id)))
+
+
+def _text_length(token: str) -> int:
+    """Characters a token adds to the text: a `bytes:` name stands for one U+FFFD there."""
+    return 1 if token.startswith("bytes:") else len(token)
 
 
 def _byte_level_alphabet() -> dict[str, int]:

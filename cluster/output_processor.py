@@ -28,6 +28,8 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    # With prompt_logprobs: on a choice's first delta, per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -39,6 +41,7 @@ class _Choice:
     num_streamed_chars: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    sent_prompt_logprobs: bool = False
 
 
 class RequestState:
@@ -67,6 +70,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -93,6 +97,7 @@ class RequestState:
             ],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
             metrics={
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time or 0.0,
@@ -136,6 +141,11 @@ class OutputProcessor:
                 continue
             state.first_token_time = state.first_token_time or now
             state.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [
+                    None if entry is None else dict(zip(entry[0], entry[1]))
+                    for entry in out.prompt_logprobs
+                ]
             choice = state.choices[out.choice_index]
             if choice.finish_reason is not None:
                 continue
@@ -199,6 +209,10 @@ class OutputProcessor:
         logprobs = None
         if choice.logprobs is not None:
             logprobs = choice.logprobs[len(choice.logprobs) - len(out.new_token_ids) :]
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
+            prompt_logprobs = state.prompt_logprobs
+            choice.sent_prompt_logprobs = True
         return ChoiceDelta(
             request_id=state.request_id,
             index=index,
@@ -207,4 +221,5 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )

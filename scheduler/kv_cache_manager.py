@@ -74,10 +74,14 @@ class KVCacheManager:
         which counts the lookup once the request is admitted (a request that waits for blocks
         is looked up again each step and must not be counted again).
 
+        A request that asks for prompt logprobs gets no hit (its blocks are still cached for
+        others once computed).
+
         Returns:
             (the cached blocks in table order, the number of tokens they hold).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            # NOTE: prompt logprobs need every prompt position's logits, which a hit skips.
             return [], 0
         block_hashes = self._update_block_hashes(req)
         max_hit_blocks = max(0, (req.num_tokens - 1) // self.block_size)

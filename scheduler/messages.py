@@ -62,3 +62,6 @@ class ModelRunnerOutput:
     req_ids: list[str]  # sequences that sampled this step (prefill chunks mid-prompt do not)
     sampled_token_ids: list[list[int]]  # per req: one token, or n at the step a prompt forks
     logprobs: list[list[TokenLogprobs] | None]  # per req: one entry per sampled token, if asked
+    # req -> (first prompt position, entries): logprobs of the prompt tokens at positions
+    # first .. first + len(entries) - 1, for requests with prompt_logprobs whose prefill ran.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -18,6 +18,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With prompt_logprobs: per prompt position (None at 0), on a sequence's first output only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -45,3 +47,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish (s)
+    # With prompt_logprobs: per prompt token, token id -> logprob (the token's own and the
+    # top-k); None for the first token, which nothing precedes.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

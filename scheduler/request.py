@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from pagedray.scheduler.messages import TokenLogprobs
 from pagedray.scheduler.sampling_params import SamplingParams
 
 
@@ -69,6 +70,12 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
         self.num_preemptions = 0
+        # Per prompt position (None at 0: nothing precedes it), filled as prefill chunks run;
+        # only for requests with prompt_logprobs. A recompute after preemption rewrites the same
+        # positions with the same values.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None  # first admission, for queue-time metrics
@@ -88,6 +95,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def store_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[first_position : first_position + len(entries)] = entries
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -36,6 +36,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    # Logprob of each prompt token given the ones before it, with this many top alternatives
+    # (vLLM's prompt_logprobs; OpenAI's echo with logprobs). Such a request computes its whole
+    # prompt: a prefix-cache hit has no logits.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -87,6 +91,12 @@ class SamplingParams:
                 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -218,6 +218,10 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and not req.is_finished:
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        for req_id, (first_position, entries) in runner_output.prompt_logprobs.items():
+            req = self.requests.get(req_id)
+            if req is not None and not req.is_finished:
+                req.store_prompt_logprobs(first_position, entries)
         for req_id, token_ids, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
         ):
@@ -237,6 +241,7 @@ class Scheduler:
         status = self._stop_status(req)
         if status is not None:
             self._finish(req, status)
+        first_output = req.num_output_tokens == len(token_ids)
         return EngineCoreOutput(
             req_id=req.parent_req_id or req.req_id,
             choice_index=req.choice_index,
@@ -245,6 +250,7 @@ class Scheduler:
             finish_reason=status.finish_reason if status else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=req.prompt_logprobs if first_output else None,
         )
 
     def _fork(
@@ -267,6 +273,7 @@ class Scheduler:
         for child in children:
             self.requests[child.req_id] = child
             child.status = RequestStatus.RUNNING
+            child.prompt_logprobs = parent.prompt_logprobs  # computed by the parent's prefill
         return [
             self._append(child, [token_ids[i]], [logprobs[i]] if logprobs else None)
             for i, child in enumerate(children)

@@ -42,8 +42,11 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Sequences still owing prompt logprobs: checked every step, so kept apart.
+        self.prompt_logprob_reqs: set[str] = set()
 
     def remove(self, req_id: str) -> None:
+        self.prompt_logprob_reqs.discard(req_id)
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
@@ -66,6 +69,9 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens,
         )
         self.requests[new.req_id] = state
+        # A sequence that already has outputs delivered its prompt logprobs before.
+        if params.prompt_logprobs is not None and not new.output_token_ids:
+            self.prompt_logprob_reqs.add(new.req_id)
         return state
 
     def update(self, cached: CachedRequestData) -> None:

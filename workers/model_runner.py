@@ -12,9 +12,12 @@ import torch
 
 from pagedray.attention.backend import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
-from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedray.workers.input_batch import InputBatch
-from pagedray.workers.sampler import Sampler, SamplingRow
+from pagedray.workers.sampler import Sampler, SamplingRow, token_logprobs
+
+# Rows of prompt-logprob logits computed at once (each a full vocabulary of float32).
+_PROMPT_LOGITS_SLICE = 256
 
 
 class ModelRunner:
@@ -51,6 +54,10 @@ class ModelRunner:
             scheduler_output
         )
         hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # [num_tokens, hidden]
+        prompt_logprobs = {}
+        if self.batch.prompt_logprob_reqs:
+            prompt_logprobs = self._prompt_logprobs(scheduler_output, hidden)
+        empty.prompt_logprobs = prompt_logprobs
         if not sample_req_ids:
             return empty
         logits = self.model.compute_logits(hidden[sample_idx])  # [num_samples, vocab]
@@ -63,7 +70,59 @@ class ModelRunner:
             req_ids=sample_req_ids,
             sampled_token_ids=[row.token_ids for row in sampled],
             logprobs=[row.logprobs for row in sampled],
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Logprobs of the prompt tokens this step's chunks predict, for sequences that asked.
+
+        The hidden state at position j predicts token j + 1, so a chunk over positions
+        [c, c + q) scores prompt tokens c + 1 .. min(c + q, prompt_len - 1). Every rank runs the
+        (vocabulary-parallel) logits; rank 0 turns them into entries.
+        """
+        spans: list[tuple[str, int, int, int]] = []  # (req_id, first position, flat row, count)
+        flat_start = 0
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            if req_id in self.batch.prompt_logprob_reqs:
+                state = self.batch.requests[req_id]
+                start = state.num_computed_tokens
+                end = min(start + num_scheduled, len(state.prompt_token_ids) - 1)
+                if end > start:
+                    spans.append((req_id, start + 1, flat_start, end - start))
+                if start + num_scheduled >= len(state.prompt_token_ids):
+                    self.batch.prompt_logprob_reqs.discard(req_id)  # the prompt is done
+            flat_start += num_scheduled
+        if not spans:
+            return {}
+        rows = [flat + k for _, _, flat, count in spans for k in range(count)]
+        targets = [
+            self.batch.requests[req_id].prompt_token_ids[first + k]
+            for req_id, first, _, count in spans
+            for k in range(count)
+        ]
+        num_top = [
+            self.batch.requests[req_id].sampling_params.prompt_logprobs or 0
+            for req_id, _, _, count in spans
+            for _ in range(count)
+        ]
+        entries: list[TokenLogprobs] = []
+        row_index = torch.tensor(rows, device=hidden.device)
+        # In slices: a long prompt's full-vocabulary logits would otherwise be one huge tensor.
+        for lo in range(0, len(rows), _PROMPT_LOGITS_SLICE):
+            hi = min(lo + _PROMPT_LOGITS_SLICE, len(rows))
+            logits = self.model.compute_logits(hidden[row_index[lo:hi]])  # [hi - lo, vocab]
+            if self.sampler is not None:
+                owner = list(range(hi - lo))
+                entries += token_logprobs(logits, owner, targets[lo:hi], num_top[lo:hi])
+        if self.sampler is None:
+            return {}
+        result, taken = {}, 0
+        for req_id, first, _, count in spans:
+            result[req_id] = (first, entries[taken : taken + count])
+            taken += count
+        return result
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:

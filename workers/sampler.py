@@ -285,27 +285,45 @@ def _compute_logprobs(
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
         return result
-    device = logits.device
-    logprobs = logits.index_select(0, torch.tensor(wanted, device=device)).float()
-    logprobs = logprobs.log_softmax(dim=-1)  # [num_wanted, vocab_size]
+    logprobs = logits.index_select(0, torch.tensor(wanted, device=logits.device))
     # one entry per sampled token: a forking row contributes num_samples entries
     owner = [j for j, i in enumerate(wanted) for _ in samples[i]]
-    owner_idx = torch.tensor(owner, device=device)
-    sampled = torch.tensor([t for i in wanted for t in samples[i]], device=device)
-    sampled_logprobs = logprobs[owner_idx, sampled]  # [num_entries]
-    per_entry = logprobs if len(owner) == len(wanted) else logprobs.index_select(0, owner_idx)
-    # rank 1 = most likely; ties with the sampled token do not push it down
-    ranks = (per_entry > sampled_logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [num_entries]
-    max_k = max(rows[i].params.logprobs or 0 for i in wanted)
-    top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)  # [num_wanted, max_k]
-    top_logprobs_list, top_ids_list = top_logprobs.tolist(), top_ids.tolist()
-    entries = zip(owner, sampled.tolist(), sampled_logprobs.tolist(), ranks.tolist())
-    for j, token_id, token_logprob, rank in entries:
-        k = rows[wanted[j]].params.logprobs or 0
-        ids = [token_id] + top_ids_list[j][:k]
-        values = [token_logprob] + top_logprobs_list[j][:k]
+    tokens = [t for i in wanted for t in samples[i]]
+    num_top = [rows[wanted[j]].params.logprobs or 0 for j in owner]
+    for j, entry in zip(owner, token_logprobs(logprobs, owner, tokens, num_top)):
         row_logprobs = result[wanted[j]]
         if row_logprobs is None:
             row_logprobs = result[wanted[j]] = []
-        row_logprobs.append((ids, values, rank))
+        row_logprobs.append(entry)
     return result
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab_size], raw
+    owner: list[int],  # per entry: its row of `logits`
+    token_ids: list[int],  # per entry: the token whose logprob and rank are wanted
+    num_top: list[int],  # per entry: how many of the most likely tokens to add
+) -> list[TokenLogprobs]:
+    """Per entry: ([token, top ids...], [its logprob, top logprobs...], its rank) under its row.
+
+    Shared by sampled tokens (several entries per row when a prompt forks) and prompt tokens.
+    """
+    device = logits.device
+    logprobs = logits.float().log_softmax(dim=-1)  # [num_rows, vocab_size]
+    owner_idx = torch.tensor(owner, device=device)
+    tokens = torch.tensor(token_ids, device=device)
+    entry_logprobs = logprobs[owner_idx, tokens]  # [num_entries]
+    per_entry = logprobs if owner == list(range(len(logprobs))) else logprobs[owner_idx]
+    # rank 1 = most likely; ties with the token do not push it down
+    ranks = (per_entry > entry_logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [num_entries]
+    top_ids_list: list[list[int]] = [[] for _ in range(len(logprobs))]
+    top_logprobs_list: list[list[float]] = [[] for _ in range(len(logprobs))]
+    max_k = max(num_top, default=0)
+    if max_k > 0:
+        top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)  # [num_rows, max_k]
+        top_logprobs_list, top_ids_list = top_logprobs.tolist(), top_ids.tolist()
+    entries = zip(owner, token_ids, entry_logprobs.tolist(), ranks.tolist(), num_top)
+    return [
+        ([token_id] + top_ids_list[j][:k], [token_logprob] + top_logprobs_list[j][:k], rank)
+        for j, token_id, token_logprob, rank, k in entries
+    ]

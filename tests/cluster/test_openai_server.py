@@ -253,6 +253,36 @@ def test_bad_requests_are_refused(
     assert error["code"] == status
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, offline: LLM) -> None:
+    """What lm-eval's loglikelihood asks of a completions server: echo, logprobs, 1 token."""
+    prompt_ids = [17, 250, 3, 99, 481, 20, 5, 77, 300, 12]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, logprobs=2)
+    expected = offline.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0]
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, prompt=prompt_ids, max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
+    choice = client.completions.create(**kwargs).choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for j in range(1, len(prompt_ids)):
+        want = expected.prompt_logprobs[j][prompt_ids[j]]
+        assert logprobs.token_logprobs[j] == pytest.approx(want, abs=1e-5)
+        assert 2 <= len(logprobs.top_logprobs[j]) <= 3
+    generated = expected.outputs[0]
+    assert logprobs.token_logprobs[-1] == pytest.approx(
+        generated.logprobs[0][generated.token_ids[0]], abs=1e-5
+    )
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert choice.text.endswith(generated.text) and len(choice.text) > len(generated.text)
+    # Streamed: the echo chunk carries the prompt's logprobs, then the generated token's.
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-6)
+
+
 def test_logit_bias_through_the_sdk(client: openai.OpenAI, offline: LLM) -> None:
     forced = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={42: 100})
     expected = offline.generate("bias", forced, use_tqdm=False)[0].outputs[0]
