@@ -180,7 +180,17 @@ def _build_and_load() -> ctypes.CDLL:
     if not compiler:
         raise KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
     source = SOURCE.read_bytes()
-    folder = _writable_cache_dir()
+    folder, private = _writable_cache_dir()
+    try:
+        return _load_first(compiler, source, folder)
+    finally:
+        if private:
+            # A loaded library stays mapped after its file is removed: nothing is left behind.
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_first(compiler: list[str], source: bytes, folder: Path) -> ctypes.CDLL:
+    """The OpenMP build, else the serial one, compiled into `folder` unless already there."""
     errors = []
     for openmp in _OPENMP_CHOICES:
         path = folder / f"{_build_key(compiler, source, openmp)}.so"
@@ -201,17 +211,18 @@ def _build_and_load() -> ctypes.CDLL:
     raise KernelBuildError("; ".join(errors))
 
 
-def _writable_cache_dir() -> Path:
-    """The shared cache, or where it cannot be written (read-only HOME, random UID) a folder of
-    this process's own, so that a build still happens, only not shared."""
+def _writable_cache_dir() -> tuple[Path, bool]:
+    """(folder, private): the shared cache, or where it cannot be written (read-only HOME,
+    random UID) a temporary folder of this process's own, so that a build still happens, only
+    not shared."""
     try:
         folder = cache_dir("kernels")
         folder.mkdir(parents=True, exist_ok=True)
         if os.access(folder, os.W_OK):
-            return folder
+            return folder, False
     except (OSError, RuntimeError):
         pass
-    return Path(tempfile.mkdtemp(prefix="pagedray-kernels-"))
+    return Path(tempfile.mkdtemp(prefix="pagedray-kernels-")), True
 
 
 def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:

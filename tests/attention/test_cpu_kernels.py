@@ -196,10 +196,15 @@ def test_without_a_compiler_the_torch_reference_serves(tmp_path: Path) -> None:
 
 
 def test_unwritable_cache_builds_in_a_private_folder(tmp_path: Path) -> None:
-    """A read-only HOME or cache (random-UID pods) still gets the kernels, built privately."""
+    """A read-only HOME or cache (random-UID pods) still gets the kernels, built privately in a
+    temporary folder that is gone once the library is loaded."""
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    assert _result(_probe(blocked)) == {"available": True, "denormal_kept": True, "backend": "cpu"}
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = _result(_probe(blocked, TMPDIR=str(temp)))
+    assert result == {"available": True, "denormal_kept": True, "backend": "cpu"}
+    assert list(temp.iterdir()) == []
 
 
 def test_compiler_with_arguments_in_cc(tmp_path: Path) -> None:
