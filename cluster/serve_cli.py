@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import typing
+from pathlib import Path
 from typing import Any
 
 APP_NAME = "pagedray"
@@ -87,9 +88,13 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from pagedray.cluster.default_model import default_model_path
     from pagedray.cluster.openai_app import build_app
 
     app_args = serve_app_args(args)
+    app_args.setdefault("model", str(default_model_path()))
+    # The name clients must send as `model` (also listed by GET /v1/models).
+    model_name = app_args.get("served_model_name") or Path(app_args["model"]).name
     local = args.address is None and not os.environ.get("RAY_ADDRESS")
     if local:
         engines = args.max_replicas or args.num_replicas
@@ -107,7 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
-        print(f"pagedray: serving the OpenAI API at http://{args.host}:{args.port}/v1", flush=True)
+        url = f"http://{args.host}:{args.port}/v1"
+        print(f"pagedray: serving the OpenAI API at {url} (model {model_name!r})", flush=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
         while not stop.wait(1.0):
