@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedray.cluster.detokenizer import IncrementalDetokenizer
+from pagedray.scheduler.messages import RequestError
 from pagedray.scheduler.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from pagedray.scheduler.request import child_req_id
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class RequestState:
         self.finish_time: float | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.error: RequestError | None = None  # set when the engine ended it with an error
 
     @property
     def finished(self) -> bool:
@@ -98,6 +100,7 @@ class RequestState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            error=self.error[1] if self.error is not None else None,
             metrics={
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time or 0.0,
@@ -146,6 +149,10 @@ class OutputProcessor:
                     None if entry is None else dict(zip(entry[0], entry[1]))
                     for entry in out.prompt_logprobs
                 ]
+            if out.error is not None:
+                deltas.append(self._fail(state, out.error))
+                state.finish_time = now
+                continue
             choice = state.choices[out.choice_index]
             if choice.finish_reason is not None:
                 continue
@@ -155,6 +162,14 @@ class OutputProcessor:
             if state.finished:
                 state.finish_time = now
         return deltas, stopped
+
+    @staticmethod
+    def _fail(state: RequestState, error: RequestError) -> ChoiceDelta:
+        """End every unfinished choice with "error"; one delta carries it to the stream."""
+        state.error = error
+        for choice in state.choices:
+            choice.finish_reason = choice.finish_reason or "error"
+        return ChoiceDelta(state.request_id, 0, "", [], None, "error", None)
 
     def _update_choice(self, state: RequestState, choice: _Choice, out: EngineCoreOutput) -> bool:
         """Returns True when a stop string ended the choice (the engine must be told)."""

@@ -13,6 +13,10 @@ from pagedray.scheduler.sampling_params import SamplingParams
 # One sampled token's logprobs: (token ids, logprobs, rank of the sampled token).
 # Index 0 of both lists is the sampled token; the rest are the top-k in descending order.
 TokenLogprobs = tuple[list[int], list[float], int]
+# Why one request failed in a step that went on for the rest of the batch: (status, message).
+# Status 400: its own parameters made sampling impossible (non-finite probabilities); 500: an
+# internal failure confined to it. The message names no internals (it reaches the client).
+RequestError = tuple[int, str]
 
 
 @dataclass
@@ -65,3 +69,5 @@ class ModelRunnerOutput:
     # req -> (first prompt position, entries): logprobs of the prompt tokens at positions
     # first .. first + len(entries) - 1, for requests with prompt_logprobs whose prefill ran.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # req -> why it failed this step; it sampled nothing and the scheduler ends it.
+    failed: dict[str, RequestError] = field(default_factory=dict)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedray.scheduler.messages import TokenLogprobs
+from pagedray.scheduler.messages import RequestError, TokenLogprobs
 
 
 @dataclass
@@ -15,11 +15,13 @@ class EngineCoreOutput:
     choice_index: int  # which of the request's n outputs
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # With prompt_logprobs: per prompt position (None at 0), on a sequence's first output only.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With finish_reason "error": why the request failed; it ends every choice of the request.
+    error: RequestError | None = None
 
 
 @dataclass
@@ -50,3 +52,4 @@ class RequestOutput:
     # With prompt_logprobs: per prompt token, token id -> logprob (the token's own and the
     # top-k); None for the first token, which nothing precedes.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # why the request failed (its outputs' finish_reason is "error")

@@ -81,7 +81,9 @@ def _encode_extra_key(key: object) -> bytes:
     if key is None:
         return _TAG_NONE
     if isinstance(key, str):
-        return _TAG_STR + _length_prefixed(key.encode("utf-8"))
+        # NOTE: surrogatepass keeps hashing total: a lone surrogate (refused at the edge, but
+        # hashing runs inside the step) must never raise there.
+        return _TAG_STR + _length_prefixed(key.encode("utf-8", "surrogatepass"))
     # NOTE: bool is an int subclass; it is encoded as 0/1 like the int it equals.
     if isinstance(key, int):
         return _TAG_INT + struct.pack("<q", key)

@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"  # the client went away or asked to cancel
+    FINISHED_ERROR = "error"  # failed alone in a step (e.g. non-finite probabilities)
     FINISHED_FORKED = "forked"  # an n > 1 prompt that handed its blocks to its children
 
     @property

@@ -6,6 +6,7 @@ Mirrors vLLM's `SamplingParams` field names so users can switch without edits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,22 @@ from typing import Any
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on |bias|
+# Bounds that keep every value representable where the sampler puts it (int32/int64 tensors,
+# float32 logits): a value past them could only fail inside a step, so it is refused here.
+MAX_INT32 = 2**31 - 1
+MAX_N = 1024
+# Dividing a logit by a tiny penalty overflows float32 to inf (then NaN probabilities); HF and
+# vLLM only ask for > 0, these bounds are far past any useful setting.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass
@@ -52,69 +69,88 @@ class SamplingParams:
         self.stop = _normalize_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        # Types first: everything after compares numbers, and a bool is not a count.
+        for name in ("n", "top_k", "min_tokens"):
+            _check_int(name, getattr(self, name))
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        for name in _FLOAT_FIELDS:
+            _check_float(name, getattr(self, name))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check(
+            0 <= self.top_k <= MAX_INT32,
+            "top_k",
+            f"must be -1 (disabled) or in [0, {MAX_INT32}], got {self.top_k}",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+            _check(
+                1 <= self.max_tokens <= MAX_INT32,
+                "max_tokens",
+                f"must be in [1, {MAX_INT32}], got {self.max_tokens}",
+            )
+        _check(
+            0 <= self.min_tokens <= MAX_INT32,
+            "min_tokens",
+            f"must be in [0, {MAX_INT32}], got {self.min_tokens}",
+        )
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
                 "min_tokens",
                 f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
         _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            f"must be in [-2, 2], got {self.presence_penalty}",
-        )
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            f"must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        _check(
-            self.repetition_penalty > 0.0,
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
+            f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+            f"got {self.repetition_penalty}",
         )
-        if self.logprobs is not None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}"
+                )
+        if self.seed is not None:
             _check(
-                0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-            )
-        if self.prompt_logprobs is not None:
-            _check(
-                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                "prompt_logprobs",
-                f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                -(2**63) <= self.seed < 2**64,
+                "seed",
+                f"must fit in 64 bits, got {self.seed}",
             )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            isinstance(self.stop_token_ids, list)
+            and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
             "stop_token_ids",
-            "must be a list of non-negative integers",
+            f"must be a list of integers in [0, {MAX_INT32}]",
         )
-        if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        for stop in self.stop:
+            _check(is_encodable(stop), "stop", "must be valid Unicode (no lone surrogates)")
         if self.logit_bias is not None:
             _check(
                 isinstance(self.logit_bias, dict)
-                and all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.logit_bias),
                 "logit_bias",
                 "must map non-negative integer token ids to biases",
             )
             _check(
                 all(
-                    isinstance(b, (int, float)) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    _is_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
                     for b in self.logit_bias.values()
                 ),
                 "logit_bias",
@@ -129,6 +165,16 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+def is_encodable(text: str) -> bool:
+    """True when `text` is valid Unicode (UTF-8 encodable): JSON's "\\ud800" decodes to a lone
+    surrogate that tokenizers and hashes cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _normalize_stop(stop: Any) -> list[str]:
     if stop is None:
         return []
@@ -137,6 +183,24 @@ def _normalize_stop(stop: Any) -> list[str]:
     if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
         return [s for s in stop if s]
     raise ValueError(f"stop: must be a string or a list of strings, got {type(stop).__name__}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _check_int(field_name: str, value: Any) -> None:
+    _check(_is_int(value), field_name, f"must be an integer, got {value!r}")
+
+
+def _check_float(field_name: str, value: Any) -> None:
+    # Ints are accepted (JSON's 1 for 1.0) but huge ones would overflow float arithmetic.
+    ok = _is_number(value) and abs(value) <= 1e300
+    _check(ok, field_name, f"must be a finite number, got {value!r}")
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

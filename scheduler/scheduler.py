@@ -18,6 +18,7 @@ from pagedray.scheduler.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    RequestError,
     SchedulerOutput,
 )
 from pagedray.scheduler.outputs import EngineCoreOutput
@@ -60,15 +61,7 @@ class Scheduler:
         """Queue a validated request; raises ValueError if it can never fit."""
         if req.req_id in self.requests or req.req_id in self.children:
             raise ValueError(f"request_id: {req.req_id!r} is already in use")
-        if req.sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n: must be at most max_num_seqs={self.config.max_num_seqs}, "
-                f"got {req.sampling_params.n}"
-            )
-        if req.num_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt: {req.num_tokens} tokens exceed max_model_len={self.max_model_len}"
-            )
+        self.check_limits(req.num_tokens, req.sampling_params.n)
         if (
             self.config.max_num_waiting is not None
             and len(self.waiting) >= self.config.max_num_waiting
@@ -78,6 +71,15 @@ class Scheduler:
         priority = req.priority if self.config.policy == "priority" else 0
         self._queue_keys[req.req_id] = (priority, req.arrival_time, next(self._arrival_counter))
         self._enqueue(req)
+
+    def check_limits(self, num_prompt_tokens: int, n: int) -> None:
+        """Raises ValueError if a request of this size could never be scheduled here."""
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n: must be at most max_num_seqs={self.config.max_num_seqs}, got {n}")
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens exceed max_model_len={self.max_model_len}"
+            )
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, or a stop string found by the detokenizer).
@@ -222,6 +224,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and not req.is_finished:
                 req.store_prompt_logprobs(first_position, entries)
+        outputs.extend(self._fail(runner_output.failed))
         for req_id, token_ids, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
         ):
@@ -232,6 +235,29 @@ class Scheduler:
                 outputs.extend(self._fork(req, token_ids, logprobs))
             else:
                 outputs.append(self._append(req, token_ids, logprobs))
+        return outputs
+
+    def _fail(self, failed: dict[str, RequestError]) -> list[EngineCoreOutput]:
+        """End the requests whose sampling failed (every choice of each); the rest go on."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, error in failed.items():
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue  # aborted meanwhile, or a sibling's failure already ended it
+            client_req_id = req.parent_req_id or req.req_id
+            self.finish_requests([client_req_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=client_req_id,
+                    choice_index=0,
+                    new_token_ids=[],
+                    new_logprobs=None,
+                    finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    error=error,
+                )
+            )
         return outputs
 
     def _append(

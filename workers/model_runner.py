@@ -65,12 +65,18 @@ class ModelRunner:
             return empty
         rows = [self._sampling_row(req_id) for req_id in sample_req_ids]
         sampled = self.sampler(logits, rows)
+        ok = [i for i, row in enumerate(sampled) if row.error is None]
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
-            req_ids=sample_req_ids,
-            sampled_token_ids=[row.token_ids for row in sampled],
-            logprobs=[row.logprobs for row in sampled],
+            req_ids=[sample_req_ids[i] for i in ok],
+            sampled_token_ids=[sampled[i].token_ids for i in ok],
+            logprobs=[sampled[i].logprobs for i in ok],
             prompt_logprobs=prompt_logprobs,
+            failed={
+                req_id: row.error
+                for req_id, row in zip(sample_req_ids, sampled)
+                if row.error is not None
+            },
         )
 
     def _prompt_logprobs(

@@ -5,6 +5,11 @@ step); the general path applies logit_bias, min_tokens masking, penalties, tempe
 top-k/top-p/min-p as per-row tensors over the whole batch, so per-row Python work stays limited
 to building those tensors.
 
+A row that cannot be sampled (its penalties or temperature drive its probabilities to NaN or
+inf, or anything raises while sampling it) fails alone: it is reported in `SampledRow.error`
+and every other row of the batch is sampled as usual, so one request's parameters can never
+stop the engine.
+
 A seeded row draws from a generator keyed by (seed, output position), not from one that advances
 with every draw: the token at a position then depends only on the seed and that position's
 probabilities, so a request preempted and recomputed, or resumed on another worker, draws
@@ -13,12 +18,13 @@ exactly what it would have drawn uninterrupted.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
-from pagedray.scheduler.messages import TokenLogprobs
+from pagedray.scheduler.messages import RequestError, TokenLogprobs
 from pagedray.scheduler.sampling_params import SamplingParams
 
 
@@ -37,8 +43,19 @@ class SamplingRow:
 class SampledRow:
     """What one row sampled."""
 
-    token_ids: list[int]  # num_samples token ids
+    token_ids: list[int]  # num_samples token ids; empty when the row failed
     logprobs: list[TokenLogprobs] | None  # one per sampled token when params.logprobs is not None
+    error: RequestError | None = None  # set when this row alone could not be sampled
+
+
+NON_FINITE_ERROR: RequestError = (
+    400,
+    "sampling failed: this request's parameters (temperature, penalties, logit_bias) made the "
+    "next-token probabilities NaN or infinite",
+)
+INTERNAL_ERROR: RequestError = (500, "sampling failed for this request (internal error)")
+
+logger = logging.getLogger(__name__)
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -153,16 +170,31 @@ class Sampler:
             logits: [num_rows, vocab_size] float32, the last position of each row.
             rows: one per logits row, same order.
         Returns:
-            One `SampledRow` per row, with logprobs (from the raw logits) where asked.
+            One `SampledRow` per row, with logprobs (from the raw logits) where asked, or with
+            `error` set for a row that could not be sampled.
         """
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        try:
+            return self._sample_rows(logits, rows)
+        except Exception:
+            if len(rows) == 1:
+                logger.exception("sampling failed for one request")
+                return [SampledRow([], None, INTERNAL_ERROR)]
+        # Something in the batch raised: sample each row alone so that only its owner fails.
+        return [self(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
+        samples: list[list[int] | None]
         if all(self._is_plain_greedy(row) for row in rows):
             argmax = logits.argmax(dim=-1).tolist()  # [num_rows]
             samples = [[token_id] * row.num_samples for token_id, row in zip(argmax, rows)]
         else:
             samples = self._sample(logits, rows)
         logprobs = _compute_logprobs(logits, rows, samples)
-        return [SampledRow(s, lp) for s, lp in zip(samples, logprobs)]
+        return [
+            SampledRow(s, lp) if s is not None else SampledRow([], None, NON_FINITE_ERROR)
+            for s, lp in zip(samples, logprobs)
+        ]
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
         params = row.params
@@ -173,18 +205,21 @@ class Sampler:
             and not _banned_token_ids(row, self.eos_token_ids)
         )
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int] | None]:
+        """Token ids per row; None for a row whose probabilities are not finite."""
         logits = logits.clone()  # the raw logits stay intact for logprobs
         apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
         apply_penalties(logits, rows)
-        samples: list[list[int]] = [[] for _ in rows]
+        samples: list[list[int] | None] = [None for _ in rows]
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
-            argmax = logits.index_select(0, index).argmax(dim=-1).tolist()  # [num_greedy]
-            for i, token_id in zip(greedy, argmax):
-                samples[i] = [token_id] * rows[i].num_samples
+            greedy_logits = logits.index_select(0, index)  # [num_greedy, vocab_size]
+            argmax = greedy_logits.argmax(dim=-1).tolist()  # [num_greedy]
+            valid = (~greedy_logits.isnan().any(dim=-1)).tolist()  # [num_greedy]
+            for i, token_id, ok in zip(greedy, argmax, valid):
+                samples[i] = [token_id] * rows[i].num_samples if ok else None
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random:
             index = torch.tensor(random, device=logits.device)
@@ -193,7 +228,9 @@ class Sampler:
                 samples[i] = token_ids
         return samples
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+    def _sample_random(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> list[list[int] | None]:
         # logits: [num_random, vocab_size], penalties applied
         device = logits.device
         params = [row.params for row in rows]
@@ -201,7 +238,8 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         vocab_size = logits.shape[1]
         if any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device)
+            # NOTE: a top_k past the vocabulary keeps every token, like 0.
+            top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device)
             logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)  # [num_random, vocab_size]
@@ -210,7 +248,13 @@ class Sampler:
             threshold = min_p * probs.amax(dim=-1, keepdim=True)  # [num_random, 1]
             # multinomial takes unnormalized weights, so zeroing is enough
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return self._draw(probs, rows)
+        # A row of NaN/inf or all-zero weights would make multinomial raise for the whole batch.
+        valid = probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)  # [num_random]
+        if bool(valid.all()):
+            return list(self._draw(probs, rows))
+        probs = probs.masked_fill(~valid.unsqueeze(1), 1.0)  # drawn, then discarded
+        drawn = self._draw(probs, rows)
+        return [token_ids if ok else None for token_ids, ok in zip(drawn, valid.tolist())]
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
         # probs: [num_random, vocab_size] nonnegative weights
@@ -278,17 +322,17 @@ def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Ten
 
 
 def _compute_logprobs(
-    logits: torch.Tensor, rows: list[SamplingRow], samples: list[list[int]]
+    logits: torch.Tensor, rows: list[SamplingRow], samples: list[list[int] | None]
 ) -> list[list[TokenLogprobs] | None]:
     """Logprobs of the sampled tokens and the top-k, from the raw logits (vLLM V1's default)."""
     result: list[list[TokenLogprobs] | None] = [None] * len(rows)
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None and samples[i]]
     if not wanted:
         return result
     logprobs = logits.index_select(0, torch.tensor(wanted, device=logits.device))
     # one entry per sampled token: a forking row contributes num_samples entries
-    owner = [j for j, i in enumerate(wanted) for _ in samples[i]]
-    tokens = [t for i in wanted for t in samples[i]]
+    owner = [j for j, i in enumerate(wanted) for _ in samples[i] or ()]
+    tokens = [t for i in wanted for t in samples[i] or ()]
     num_top = [rows[wanted[j]].params.logprobs or 0 for j in owner]
     for j, entry in zip(owner, token_logprobs(logprobs, owner, tokens, num_top)):
         row_logprobs = result[wanted[j]]

@@ -102,6 +102,20 @@ def test_bad_prompt_raises_and_allocates_nothing(llm: LLM, prompt, params, field
         ({"logit_bias": {3: 100.5}}, "logit_bias"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+        # What crashed the engine step before they were refused here (issue P5).
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"temperature": float("inf"), "min_tokens": 2}, "temperature"),
+        ({"top_k": 200000000000000000000, "top_p": 0.5}, "top_k"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": 2**40}, "n"),
+        ({"seed": 2**80}, "seed"),
+        ({"stop": ["ok", "\ud800"]}, "stop"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
     ],
 )
 def test_bad_sampling_params_name_field_and_limit(kwargs, field) -> None:
@@ -240,3 +254,21 @@ def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
     assert plain[0] not in first
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=8, logit_bias={42: 100})
     assert llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0].token_ids == [42] * 8
+
+
+def test_a_request_that_fails_in_the_step_ends_alone(llm: LLM) -> None:
+    """A request whose sampling cannot succeed (its probabilities are NaN: here a penalty past
+    what validation allows, set after it) ends with "error"; the batch beside it is unchanged."""
+    broken = SamplingParams(temperature=1.0, seed=1, max_tokens=8, repetition_penalty=1.5)
+    broken.repetition_penalty = 1e-300
+    prompts = [{"prompt_token_ids": _ids(12, seed)} for seed in range(3)]
+    alone = llm.generate([prompts[0], prompts[2]], GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompts, [GREEDY, broken, GREEDY], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length"]
+    assert outputs[1].error is not None and "NaN" in outputs[1].error
+    assert [outputs[0].outputs[0].token_ids, outputs[2].outputs[0].token_ids] == [
+        o.outputs[0].token_ids for o in alone
+    ]
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_waiting"] == stats["num_running"] == 0

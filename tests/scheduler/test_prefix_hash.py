@@ -92,3 +92,12 @@ def test_token_packing_matches_int64() -> None:
     expected.update(struct.pack("<Q", 2) + struct.pack("<2q", 5, 6))
     expected.update(struct.pack("<Q", 0))
     assert hash_block_tokens(None, [5, 6]) == expected.digest()
+
+
+def test_a_lone_surrogate_salt_hashes_instead_of_raising() -> None:
+    """Hashing runs inside the engine step: it must be total over every str, even invalid
+    Unicode (refused at the edge), and keep such a salt apart from every other."""
+    odd = compute_block_hashes(list(range(8)), 4, "\ud800", [])
+    assert len(odd) == 2
+    assert odd != compute_block_hashes(list(range(8)), 4, "\ud801", [])
+    assert odd != compute_block_hashes(list(range(8)), 4, None, [])

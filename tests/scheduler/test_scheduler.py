@@ -545,6 +545,35 @@ def test_abort_after_a_child_finished_at_the_fork() -> None:
     assert_all_free(scheduler)
 
 
+def test_a_failed_sequence_ends_its_request_alone() -> None:
+    """A request whose sampling failed on the workers ends with "error", every choice of it,
+    its blocks freed; its neighbours keep running and finish as they would have."""
+    scheduler, worker = make_scheduler(), StandInWorker(4)
+    for req_id, n in (("ok", 1), ("bad", 2), ("other", 1)):
+        scheduler.add_request(make_request(req_id, [1, 2, 3, 4, 5], n=n, max_tokens=6))
+    results: dict = {}
+    step(scheduler, worker, results)  # prefill: "bad" forks into two children
+    step(scheduler, worker, results)
+    plan = scheduler.schedule()
+    runner_output = worker.execute_model(plan)
+    failed = runner_output.req_ids.index("bad#1")
+    del runner_output.req_ids[failed], runner_output.sampled_token_ids[failed]
+    del runner_output.logprobs[failed]
+    runner_output.failed = {"bad#1": (400, "non-finite")}
+    outputs = scheduler.update_from_output(plan, runner_output)
+    collect(results, outputs)
+    errors = [out for out in outputs if out.finish_reason == "error"]
+    assert [(out.req_id, out.error) for out in errors] == [("bad", (400, "non-finite"))]
+    assert "bad#0" not in scheduler.requests and "bad" not in scheduler.children
+    run_all(scheduler, worker, results)
+    for req_id in ("ok", "other"):
+        assert (
+            results[(req_id, 0)]
+            == expected(scheduler, req_id, [1, 2, 3, 4, 5], max_tokens=6)[(req_id, 0)]
+        )
+    assert_all_free(scheduler)
+
+
 def decode(scheduler: Scheduler, token_ids: list[int]) -> list[EngineCoreOutput]:
     """Run one single-request scheduler over a script of sampled tokens, until it finishes."""
     outputs = []

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.sampler import (
@@ -248,3 +250,80 @@ def test_logit_bias_is_added_before_everything_else() -> None:
     # A biased greedy batch leaves the argmax fast path.
     alone = make_sampler()(logits[:1], [row(temperature=0.0, logit_bias={top[0]: -100.0})])
     assert alone[0].token_ids == out[0].token_ids
+
+
+# ---- fault isolation: one row's failure is its own -----------------------------------------
+
+
+def test_non_finite_row_fails_alone() -> None:
+    logits = random_logits(3)
+    good = [row(seed=1, temperature=0.7), row(temperature=0.0, repetition_penalty=1.2)]
+    bad = row(seed=2, temperature=1.0, prompt=list(range(VOCAB)))
+    # Past what validation allows: every prompt logit divided by 1e-300 overflows to inf.
+    bad.params.repetition_penalty = 1e-300
+    rows = [good[0], bad, good[1]]
+    out = make_sampler()(logits, rows)
+    assert out[1].token_ids == [] and out[1].error is not None and out[1].error[0] == 400
+    alone = [make_sampler()(logits[i : i + 1], [rows[i]])[0] for i in (0, 2)]
+    assert [out[0].token_ids, out[2].token_ids] == [a.token_ids for a in alone]
+    assert out[0].error is None and out[2].error is None
+
+
+def test_row_that_raises_fails_alone_with_logprobs_of_the_others() -> None:
+    logits = random_logits(2)
+    bad = row(seed=1, temperature=1.0, top_p=0.5)
+    bad.params.temperature = 10**400  # too big for a float tensor: torch raises
+    ok = row(seed=3, temperature=1.0, top_p=0.5, logprobs=2)
+    out = make_sampler()(logits, [bad, ok])
+    assert out[0].error is not None and out[0].error[0] == 500 and out[0].token_ids == []
+    assert out[1].error is None and len(out[1].token_ids) == 1
+    assert out[1].logprobs is not None and len(out[1].logprobs[0][0]) == 3
+
+
+def test_all_rows_banned_is_non_finite_not_a_crash() -> None:
+    logits = torch.full((1, VOCAB), float("-inf"))
+    out = make_sampler()(logits, [row(seed=1, temperature=1.0)])
+    assert out[0].error is not None and out[0].error[0] == 400
+
+
+_ANY_NUMBER = st.one_of(
+    st.integers(min_value=1, max_value=4),  # in range for most fields
+    st.floats(min_value=0.01, max_value=1.0),
+    st.sampled_from([1e-300, 5e-324, 1e-6, 1e300, 2**31, 2**63, -1, 0]),  # at the limits
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-3, max_value=3),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=-3, max_value=40),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+)
+_FUZZED_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+    "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    fields=st.dictionaries(st.sampled_from(_FUZZED_FIELDS), _ANY_NUMBER, max_size=6),
+    bias=st.none() | st.dictionaries(st.integers(0, VOCAB - 1), _ANY_NUMBER, max_size=2),
+    stop=st.none() | st.lists(st.text(max_size=3), max_size=2),
+    output=st.lists(st.integers(0, VOCAB - 1), max_size=4),
+)
+def test_whatever_validation_accepts_the_sampler_samples(
+    fields: dict, bias: dict | None, stop: list[str] | None, output: list[int]
+) -> None:
+    """The edge's contract: a `SamplingParams` that constructs can be sampled without raising
+    and without a non-finite row, beside an ordinary row (the engine's step never fails)."""
+    try:
+        params = SamplingParams(**fields, logit_bias=bias, stop=stop)
+    except ValueError:
+        return
+    sampled_row = SamplingRow(
+        params, params.seed, [1, 2, 3], output[: params.min_tokens], num_samples=params.n
+    )
+    rows = [sampled_row, row(seed=5, temperature=1.0)]
+    out = make_sampler()(random_logits(2), rows)
+    assert [r.error for r in out] == [None, None]
+    assert len(out[0].token_ids) == params.n and all(0 <= t < VOCAB for t in out[0].token_ids)
