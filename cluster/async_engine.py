@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -22,6 +24,16 @@ from pagedray.scheduler.sampling_params import SamplingParams
 
 # A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
 DEFAULT_STUCK_AFTER_S = 120.0
+# A request not finished this long after it arrived is aborted, its blocks freed (504).
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# Without `max_num_waiting`, the serving queue holds at most this many full batches, and no more
+# requests than the pool has blocks (each needs one to start): beyond it a request waits for
+# minutes, so it is refused at once (503) and the client can go elsewhere.
+DEFAULT_WAITING_BATCHES = 2
+# After refusing a request, health reports the engine degraded for this long.
+DEGRADED_HOLD_S = 5.0
+# What a 503 tells the client to wait before retrying (Retry-After), seconds.
+RETRY_AFTER_S = 1
 # NOTE: Ray drops a gauge not recorded again within two metrics export intervals (20 s by
 # default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
 METRICS_REFRESH_S = 1.0
@@ -33,6 +45,26 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a step raised); no request can be served by this engine."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request outlived its deadline (`request_timeout_s`); it was aborted, blocks freed."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request alone with an error (e.g. its sampling failed)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def default_max_num_waiting(max_num_seqs: int, num_kv_blocks: int) -> int:
+    """The serving queue's bound when none is configured (see DEFAULT_WAITING_BATCHES)."""
+    return max(1, min(DEFAULT_WAITING_BATCHES * max_num_seqs, num_kv_blocks))
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,13 +124,21 @@ class AsyncEngine:
         output_processor: OutputProcessor,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         metrics: EngineMetrics | None = None,
+        request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
-        """`metrics`, when given, is recorded every step and at every request's finish."""
+        """`metrics`, when given, is recorded every step and at every request's finish;
+        `request_timeout_s` None lets requests run as long as they need."""
         self.engine = engine
         self.output_processor = output_processor
         self.stuck_after_s = stuck_after_s
         self.metrics = metrics
-        self.max_num_waiting: int | None = engine.scheduler.config.max_num_waiting
+        self.request_timeout_s = request_timeout_s
+        scheduler = engine.scheduler
+        self.max_num_waiting: int = scheduler.config.max_num_waiting or default_max_num_waiting(
+            scheduler.config.max_num_seqs, scheduler.kv_cache_manager.num_blocks
+        )
+        self._deadlines: list[tuple[float, str]] = []  # heap of (time.monotonic(), request_id)
+        self._last_refusal: float | None = None  # time.monotonic() of the last 503
         self._streams: dict[str, asyncio.Queue[RequestStepOutput | BaseException]] = {}
         self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
         self._pending_aborts: set[str] = set()
@@ -133,14 +173,17 @@ class AsyncEngine:
         Raises:
             EngineDeadError: the loop has stopped.
             EngineOverloadedError: the waiting queue is full.
-            ValueError: `request_id` is already in use.
+            ValueError: `request_id` is already in use, or the request exceeds the engine's
+                limits (prompt longer than the pool allows, n above max_num_seqs).
         """
         self.start()
         self._raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        num_waiting = int(self._stats["num_waiting"]) + len(self._pending)
-        if self.max_num_waiting is not None and num_waiting >= self.max_num_waiting:
+        # Refused here, before the caller answers 200, rather than failing once queued.
+        self.engine.scheduler.check_limits(len(prompt_token_ids), params.n)
+        if self._num_waiting() >= self.max_num_waiting:
+            self._last_refusal = time.monotonic()
             raise EngineOverloadedError(
                 f"the waiting queue is full ({self.max_num_waiting} requests); retry later"
             )
@@ -155,19 +198,31 @@ class AsyncEngine:
         self._pending[request_id] = _PendingRequest(engine_request, prompt)
         queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
+        if self.request_timeout_s is not None:
+            if len(self._deadlines) > 2 * len(self._streams) + 64:  # mostly finished: compact
+                self._deadlines = [d for d in self._deadlines if d[1] in self._streams]
+                heapq.heapify(self._deadlines)
+            deadline = time.monotonic() + self.request_timeout_s
+            heapq.heappush(self._deadlines, (deadline, request_id))
         self._wake()
         return self._stream(request_id, queue)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
-        queue = self._streams.pop(request_id, None)
-        if self._pending.pop(request_id, None) is not None or queue is None:
+        if self._streams.pop(request_id, None) is not None:
+            self._abort_accepted(request_id)
+
+    def _abort_accepted(self, request_id: str) -> None:
+        """Drop an accepted request whose stream is gone: unqueue it, or abort it in the engine."""
+        if self._pending.pop(request_id, None) is not None:
             return
         self._pending_aborts.add(request_id)
         self._wake()
 
     def health(self) -> dict[str, Any]:
-        """`healthy` only while the loop is alive and no step has been running too long."""
+        """`healthy` only while the loop is alive and no step has been running too long;
+        `degraded` while the waiting queue is full or a request was refused lately."""
+        self._check_workers()
         error = None
         if self._error is not None:
             error = f"engine loop died: {self._error!r}"
@@ -177,7 +232,17 @@ class AsyncEngine:
             running_for = time.monotonic() - self._step_started
             if running_for > self.stuck_after_s:
                 error = f"engine step has been running for {running_for:.1f}s (stuck)"
-        return {"healthy": error is None, "error": error, "num_steps": self.engine.num_steps}
+        refused_lately = (
+            self._last_refusal is not None
+            and time.monotonic() - self._last_refusal < DEGRADED_HOLD_S
+        )
+        degraded = refused_lately or self._num_waiting() >= self.max_num_waiting
+        return {
+            "healthy": error is None,
+            "degraded": error is None and degraded,
+            "error": error,
+            "num_steps": self.engine.num_steps,
+        }
 
     def stats(self) -> dict[str, Any]:
         if self._step_started is None:
@@ -186,6 +251,8 @@ class AsyncEngine:
             **self._stats,
             "num_requests": len(self._streams),
             "num_pending": len(self._pending),
+            "max_num_waiting": self.max_num_waiting,
+            "max_model_len": self.engine.scheduler.max_model_len,
             "last_step_duration": self.engine.last_step_duration,
             "last_batch_size": self.engine.last_batch_size,
             "healthy": self.health()["healthy"],
@@ -205,6 +272,7 @@ class AsyncEngine:
         assert self._wakeup is not None
         try:
             while True:
+                self._expire_deadlines()
                 self._apply_pending()
                 if self.metrics is not None:
                     self.metrics.record_stats(self._stats)
@@ -241,6 +309,22 @@ class AsyncEngine:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), METRICS_REFRESH_S)
 
+    def _expire_deadlines(self) -> None:
+        """Abort every request past its deadline and fail its stream with a timeout."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            if request_id not in self._streams:
+                continue  # finished or aborted before its deadline
+            self._fail(
+                request_id,
+                RequestTimeoutError(
+                    f"the request did not finish within {self.request_timeout_s:g} s "
+                    "(request_timeout_s); it was aborted"
+                ),
+            )
+            self._abort_accepted(request_id)
+
     def _apply_pending(self) -> None:
         """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
         if self._pending_aborts:
@@ -260,6 +344,10 @@ class AsyncEngine:
             except ValueError as exc:
                 self._fail(request.req_id, exc)
                 continue
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+                logger.exception("request %s could not be queued", request.req_id)
+                self._fail(request.req_id, exc)
+                continue
             state = self.output_processor.add_request(
                 request.req_id, item.prompt, request.prompt_token_ids, request.sampling_params
             )
@@ -275,6 +363,11 @@ class AsyncEngine:
         for request_id, request_deltas in by_request.items():
             state = self.output_processor.requests.get(request_id)
             if state is None:
+                continue
+            if state.error is not None:
+                self.output_processor.requests.pop(request_id)
+                self._record_finished(state)
+                self._fail(request_id, RequestFailedError(*state.error))
                 continue
             output = RequestStepOutput(request_id, request_deltas)
             if state.finished:
@@ -345,6 +438,22 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.output_processor.abort(request_id)
             self._fail(request_id, exc)
+
+    def _check_workers(self) -> None:
+        """Between steps, an executor that can tell (`dead_rank`) is asked whether a rank died:
+        the engine is then dead at once, its requests failed, rather than at the next step."""
+        dead_rank = getattr(self.engine.executor, "dead_rank", None)
+        if self._error is not None or self._step_started is not None or dead_rank is None:
+            return
+        rank = dead_rank()
+        if rank is not None:
+            self._error = RuntimeError(f"worker rank {rank} exited")
+            self._fail_all(EngineDeadError(f"engine lost a worker: rank {rank} exited"))
+            if self._task is not None:
+                self._task.cancel()
+
+    def _num_waiting(self) -> int:
+        return int(self._stats["num_waiting"]) + len(self._pending)
 
     def _raise_if_dead(self) -> None:
         # A stuck step is reported by health(), but requests still queue behind it.

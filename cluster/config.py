@@ -35,7 +35,13 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    max_num_waiting: int | None = Field(None, ge=1)  # beyond it new requests are refused
+    # Serving: beyond this many waiting requests new ones are refused (503); None = sized from
+    # max_num_seqs and the KV pool (see async_engine.default_max_num_waiting). Offline `LLM`
+    # queues without bound.
+    max_num_waiting: int | None = Field(None, ge=1)
+    # Serving: a request still unfinished this many seconds after it arrived is aborted (504)
+    # and its KV blocks freed; None = no deadline.
+    request_timeout_s: float | None = Field(600.0, gt=0)
     num_threads: int | None = Field(None, ge=1)  # torch threads per worker on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     use_ray_workers: bool = False  # run even a single rank as a Ray actor (the serving path)

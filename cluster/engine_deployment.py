@@ -8,6 +8,7 @@ loop. More replicas = more independent engines; Serve routes requests among them
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -16,10 +17,13 @@ from ray.serve import Deployment
 
 from pagedray.cluster.async_engine import (
     DEFAULT_STUCK_AFTER_S,
+    RETRY_AFTER_S,
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    RequestFailedError,
     RequestStepOutput,
+    RequestTimeoutError,
     merge_step_outputs,
 )
 from pagedray.cluster.config import EngineConfig
@@ -29,9 +33,12 @@ from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
-DEFAULT_HEALTH_CHECK_PERIOD_S = 10.0
+# Serve asks each replica this often whether its engine steps; a dead one is replaced then.
+DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
+
+logger = logging.getLogger(__name__)
 
 
 @serve.deployment(
@@ -59,7 +66,11 @@ class EngineDeployment:
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
         model_name = self.config.served_model_name or Path(self.config.model).name
         self.engine = AsyncEngine(
-            engine, OutputProcessor(tokenizer), stuck_after_s, metrics=EngineMetrics(model_name)
+            engine,
+            OutputProcessor(tokenizer),
+            stuck_after_s,
+            metrics=EngineMetrics(model_name),
+            request_timeout_s=self.config.request_timeout_s,
         )
         self.replica_id = _replica_id()
 
@@ -132,19 +143,34 @@ class EngineDeployment:
 
 
 def error_output(request_id: str, exc: BaseException) -> RequestStepOutput:
-    """An exception as an OpenAI-style error: 400 bad input, 503 overloaded or dead, else 500."""
+    """An exception as an OpenAI-style error: 400 bad input, 503 overloaded or dead, 504 past its
+    deadline, else 500. Messages name no internals: a 500 or a dead engine's cause is logged
+    here with the request id, and the client gets the id to quote."""
     message = str(exc)
     param = None
-    if isinstance(exc, (EngineOverloadedError, EngineDeadError)):
-        status, error_type = 503, "ServiceUnavailableError"
+    retry_after = None
+    if isinstance(exc, EngineOverloadedError):
+        status, error_type, retry_after = 503, "ServiceUnavailableError", RETRY_AFTER_S
+    elif isinstance(exc, EngineDeadError):
+        logger.error("request %s: %s", request_id, exc)
+        status, error_type, retry_after = 503, "ServiceUnavailableError", RETRY_AFTER_S
+        message = f"the engine is unavailable (request {request_id}); retry later"
+    elif isinstance(exc, RequestTimeoutError):
+        status, error_type = 504, "TimeoutError"
+    elif isinstance(exc, RequestFailedError):
+        status = exc.status
+        error_type = "BadRequestError" if status == 400 else "InternalServerError"
     elif isinstance(exc, ValueError):
         status, error_type = 400, "BadRequestError"
         field, sep, _ = message.partition(": ")
         param = field if sep and field.isidentifier() else None
     else:
+        logger.error("request %s failed", request_id, exc_info=exc)
         status, error_type = 500, "InternalServerError"
-        message = f"{type(exc).__name__}: {message}"
+        message = f"internal error (request {request_id})"
     error = {"status": status, "message": message, "type": error_type, "param": param}
+    if retry_after is not None:
+        error["retry_after"] = retry_after
     return RequestStepOutput(request_id, error=error)
 
 

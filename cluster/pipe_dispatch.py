@@ -213,6 +213,25 @@ class PipeDispatcher:
                 self._failure = f"{type(error).__name__}: {str(error).splitlines()[0]}"
                 raise
 
+    def dead_rank(self) -> int | None:
+        """A rank whose process exited since the last step, found without a step; None if all
+        are alive or a step is in flight (that step finds it). Lets an idle engine's health
+        report a dead worker at once instead of at the next request."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._closed:
+                return None
+            poller = select.poll()
+            for fd in self.reply_fds:
+                poller.register(fd, select.POLLHUP | select.POLLERR)
+            # NOTE: between steps a reply pipe holds nothing, so any event is its writer gone.
+            events = poller.poll(0)
+            ranks = [self.reply_fds.index(fd) for fd, _ in events]
+            return min(ranks) if ranks else None
+        finally:
+            self._lock.release()
+
     def shutdown(self) -> None:
         """Stop the ranks' threads with a stop frame and close every pipe; idempotent."""
         with self._shutdown_lock:  # a second caller waits, then finds everything closed

@@ -130,6 +130,12 @@ class RayExecutor:
         assert self._dispatcher is not None, "executor is shut down"
         return self._dispatcher.execute_model(scheduler_output)
 
+    def dead_rank(self) -> int | None:
+        """A rank known to have exited while no step ran (pipe dispatch only); else None."""
+        if isinstance(self._dispatcher, PipeDispatcher):
+            return self._dispatcher.dead_rank()
+        return None
+
     def shutdown(self) -> None:
         """Stop the dispatch, kill the workers and remove a group created here; idempotent."""
         if self._dispatcher is not None:

@@ -12,7 +12,10 @@ from pagedray.cluster.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    RequestFailedError,
     RequestStepOutput,
+    RequestTimeoutError,
+    default_max_num_waiting,
     merge_step_outputs,
 )
 from pagedray.cluster.config import EngineConfig
@@ -26,7 +29,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 def _engine(model: str, **overrides: Any) -> tuple[AsyncEngine, Any]:
     config = EngineConfig(model=model, num_kv_blocks=32, num_threads=1, **overrides)
     engine, _executor, tokenizer, _validator = build_engine(config)
-    return AsyncEngine(engine, OutputProcessor(tokenizer), stuck_after_s=0.2), tokenizer
+    async_engine = AsyncEngine(
+        engine,
+        OutputProcessor(tokenizer),
+        stuck_after_s=0.2,
+        request_timeout_s=config.request_timeout_s,
+    )
+    return async_engine, tokenizer
 
 
 async def _drain(stream: Any) -> list[RequestStepOutput]:
@@ -158,3 +167,78 @@ def test_merged_outputs_fold_each_choice(tiny_llama: str) -> None:
         assert len(delta.token_ids) == 5
         assert delta.logprobs == [entry for d in steps for entry in d.logprobs]
         assert delta.finish_reason == steps[-1].finish_reason == "length"
+
+
+def test_failed_request_ends_alone_and_the_engine_serves_on(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        broken = SamplingParams(temperature=1.0, max_tokens=6, repetition_penalty=1.5)
+        broken.repetition_penalty = 1e-300  # past validation: NaN probabilities in the step
+        ids = tokenizer.encode("hello hello hello world")
+        neighbour = asyncio.create_task(_drain(engine.add_request("ok", ids, GREEDY)))
+        with pytest.raises(RequestFailedError, match="NaN") as failure:
+            await _drain(engine.add_request("bad", ids, broken))
+        assert failure.value.status == 400
+        assert (await neighbour)[-1].finished
+        assert engine.health()["healthy"]
+        assert (await _drain(engine.add_request("after", ids, GREEDY)))[-1].finished
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_requests"]) == (32, 0)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_prompt_longer_than_the_pool_is_refused_before_acceptance(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, _ = _engine(tiny_llama)  # 32 blocks of 16: 512 tokens, below the model's limit
+        assert engine.stats()["max_model_len"] == 512
+        with pytest.raises(ValueError, match="^prompt: 600 tokens exceed max_model_len=512"):
+            engine.add_request("long", [5] * 600, GREEDY)
+        assert engine.stats()["num_requests"] == 0
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_request_past_its_deadline_is_aborted_and_freed(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, request_timeout_s=0.3)
+        endless = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        stream = engine.add_request("slow", tokenizer.encode("hi"), endless)
+        with pytest.raises(RequestTimeoutError, match="0.3 s"):
+            await _drain(stream)
+        await asyncio.sleep(0.05)  # the abort lands before the next step
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_running"], stats["num_requests"]) == (32, 0, 0)
+        assert (await _drain(engine.add_request("quick", tokenizer.encode("hi"), GREEDY)))[
+            -1
+        ].finished
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_default_waiting_bound_refuses_and_reports_degraded(tiny_llama: str) -> None:
+    assert default_max_num_waiting(max_num_seqs=256, num_kv_blocks=10_000) == 512
+    assert default_max_num_waiting(max_num_seqs=256, num_kv_blocks=32) == 32
+
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=1)
+        assert engine.max_num_waiting == 2  # two batches of one
+        ids = tokenizer.encode("hi")
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        running = engine.add_request("running", ids, long)
+        await running.__anext__()
+        waiting = [engine.add_request(f"w{i}", ids, GREEDY) for i in range(2)]
+        health = engine.health()
+        assert health["healthy"] and health["degraded"]
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("refused", ids, GREEDY)
+        await running.aclose()
+        for stream in waiting:
+            assert (await _drain(stream))[-1].finished
+        assert engine.health()["degraded"]  # a refusal moments ago
+        await engine.shutdown()
+
+    asyncio.run(run())
