@@ -56,6 +56,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="admission order: arrival, or each request's `priority` (lower first)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,6 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_enable_prefix_caching,
         dtype=args.dtype,
         seed=args.seed,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

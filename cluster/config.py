@@ -40,8 +40,8 @@ class EngineConfig(BaseModel):
     # queues without bound.
     max_num_waiting: int | None = Field(None, ge=1)
     # Serving: a request still unfinished this many seconds after it arrived is aborted (504)
-    # and its KV blocks freed; None = no deadline.
-    request_timeout_s: float | None = Field(600.0, gt=0)
+    # and its KV blocks freed; 0 = no deadline.
+    request_timeout_s: float = Field(600.0, ge=0)
     num_threads: int | None = Field(None, ge=1)  # torch threads per worker on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     use_ray_workers: bool = False  # run even a single rank as a Ray actor (the serving path)

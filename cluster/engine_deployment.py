@@ -70,7 +70,7 @@ class EngineDeployment:
             OutputProcessor(tokenizer),
             stuck_after_s,
             metrics=EngineMetrics(model_name),
-            request_timeout_s=self.config.request_timeout_s,
+            request_timeout_s=self.config.request_timeout_s or None,
         )
         self.replica_id = _replica_id()
 

@@ -32,7 +32,19 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--num-replicas", type=int, default=1, help="engines (each a TP group)")
     parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this")
     parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this")
-    parser.add_argument("--max-num-waiting", type=int, default=None, help="503 beyond this")
+    parser.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get 503 (default: 2 x max-num-seqs, "
+        "at most the KV blocks)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is aborted with 504 (default 600; 0: none)",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
@@ -71,6 +83,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         **engine_kwargs(args),
         "served_model_name": args.served_model_name,
         "max_num_waiting": args.max_num_waiting,
+        "request_timeout_s": args.request_timeout,
         "num_threads": args.num_threads,
         "device": args.device,
         "dispatch": args.dispatch,

@@ -33,7 +33,7 @@ def _engine(model: str, **overrides: Any) -> tuple[AsyncEngine, Any]:
         engine,
         OutputProcessor(tokenizer),
         stuck_after_s=0.2,
-        request_timeout_s=config.request_timeout_s,
+        request_timeout_s=config.request_timeout_s or None,
     )
     return async_engine, tokenizer
 

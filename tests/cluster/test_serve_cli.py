@@ -74,3 +74,16 @@ def test_each_replica_reserves_its_tp_group(tiny_llama: str) -> None:
     assert "num_replicas" not in scaled and scaled["autoscaling_config"] == {"min_replicas": 1}
     in_process = EngineConfig(model=tiny_llama, use_ray_workers=False, device="cpu")
     assert engine_deployment_options(in_process)["placement_group_bundles"] == [{"CPU": 1}]
+
+
+def test_admission_flags(tiny_llama: str) -> None:
+    args = _parse(
+        [tiny_llama, "--request-timeout", "0", "--scheduling-policy", "priority"]
+        + ["--max-num-waiting", "7"]
+    )
+    app_args = serve_app_args(args)
+    assert (app_args["request_timeout_s"], app_args["scheduling_policy"]) == (0.0, "priority")
+    engine_args = {k: v for k, v in app_args.items() if k in EngineConfig.model_fields}
+    config = EngineConfig.model_validate(engine_args)
+    assert (config.request_timeout_s, config.max_num_waiting) == (0.0, 7)  # 0: no deadline
+    assert EngineConfig(model=tiny_llama).request_timeout_s == 600.0
