@@ -105,6 +105,8 @@ class Scheduler:
         cached = CachedRequestData()
         copies: list[tuple[int, int]] = []
         preempted = False
+        if self.config.policy == "priority":
+            self._make_room_for_priority()
 
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -147,6 +149,25 @@ class Scheduler:
         self.peak_num_running = max(self.peak_num_running, len(self.running))
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
         return output
+
+    def _make_room_for_priority(self) -> None:
+        """With every seat taken, the waiting head preempts running sequences of a worse
+        (higher) priority value, newest first, as vLLM's priority scheduling does: a short
+        urgent request need not wait for a batch of long ones to finish. The victims' blocks
+        keep their hashes, so their recompute is mostly a prefix-cache hit."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not self.running:
+            return
+        num_seqs = _num_seqs(head)
+        num_running_seqs = sum(_num_seqs(req) for req in self.running)
+        while (
+            self.running
+            and num_running_seqs + num_seqs > self.config.max_num_seqs
+            and head.priority < self.running[-1].priority
+        ):
+            victim = self.running[-1]
+            num_running_seqs -= _num_seqs(victim)
+            self._preempt(victim)
 
     def _admit_waiting(
         self,

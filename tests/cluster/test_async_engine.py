@@ -242,3 +242,43 @@ def test_default_waiting_bound_refuses_and_reports_degraded(tiny_llama: str) -> 
         await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_urgent_request_overtakes_a_full_batch_token_exact(tiny_llama: str) -> None:
+    """Priority policy on the real tiny model: an urgent arrival preempts a long request of a
+    full batch and finishes first; the preempted one's greedy tokens are unchanged."""
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=2, scheduling_policy="priority")
+        prompts = [tokenizer.encode(p) for p in ("first long one", "second long one")]
+        alone = [
+            await _drain(engine.add_request(f"solo{i}", p, long)) for i, p in enumerate(prompts)
+        ]
+        streams = [engine.add_request(f"long{i}", p, long) for i, p in enumerate(prompts)]
+        firsts = [await stream.__anext__() for stream in streams]  # every seat taken
+        finished: list[str] = []
+
+        async def drain(name: str, stream: Any, first: Any = None) -> list[RequestStepOutput]:
+            outputs = [first] if first is not None else []
+            outputs += await _drain(stream)
+            finished.append(name)
+            return outputs
+
+        tasks = [
+            asyncio.create_task(drain(f"long{i}", s, first))
+            for i, (s, first) in enumerate(zip(streams, firsts))
+        ]
+        urgent = engine.add_request("urgent", tokenizer.encode("hi"), GREEDY, priority=-1)
+        await drain("urgent", urgent)
+        together = await asyncio.gather(*tasks)
+        assert finished[0] == "urgent"
+        assert engine.stats()["num_preemptions"] >= 1
+        assert [_tokens(o) for o in together] == [_tokens(o) for o in alone]
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def _tokens(outputs: list[RequestStepOutput]) -> list[int]:
+    return [t for o in outputs for d in o.deltas for t in d.token_ids]

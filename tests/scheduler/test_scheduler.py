@@ -491,6 +491,38 @@ def test_priority_policy_admits_lower_value_first() -> None:
     assert admitted == [["high"], ["mid"], ["low"]]
 
 
+def test_urgent_request_preempts_a_full_batch_of_worse_priority() -> None:
+    """Priority policy, every seat taken: a better-priority arrival preempts the newest of the
+    worst-priority sequences and runs at once; every output is what it would have been."""
+    scheduler, worker = make_scheduler(max_num_seqs=2, policy="priority"), StandInWorker(4)
+    long_prompts = {"long0": [1, 2, 3], "long1": [4, 5, 6]}
+    for i, (req_id, prompt) in enumerate(long_prompts.items()):
+        scheduler.add_request(make_request(req_id, prompt, arrival_time=1.0 + i, max_tokens=12))
+    results: dict = {}
+    for _ in range(3):
+        step(scheduler, worker, results)
+    scheduler.add_request(make_request("urgent", [7, 8], priority=-1, arrival_time=5.0))
+    plan, _ = step(scheduler, worker, results)
+    assert new_ids(plan) == ["urgent"] and plan.finished_req_ids == ["long1"]
+    assert [req.req_id for req in scheduler.waiting] == ["long1"]
+    assert scheduler.num_preemptions == 1
+    run_all(scheduler, worker, results)
+    assert results[("urgent", 0)] == expected(scheduler, "urgent", [7, 8])[("urgent", 0)]
+    for req_id, prompt in long_prompts.items():
+        want = expected(scheduler, req_id, prompt, max_tokens=12)[(req_id, 0)]
+        assert results[(req_id, 0)] == want
+    assert_all_free(scheduler)
+
+
+def test_equal_priority_never_preempts_for_seats() -> None:
+    scheduler, worker = make_scheduler(max_num_seqs=1, policy="priority"), StandInWorker(4)
+    scheduler.add_request(make_request("first", [1, 2], arrival_time=1.0, max_tokens=6))
+    step(scheduler, worker)
+    scheduler.add_request(make_request("second", [3, 4], arrival_time=2.0))
+    plan, _ = step(scheduler, worker)
+    assert set(plan.num_scheduled_tokens) == {"first"} and scheduler.num_preemptions == 0
+
+
 def test_fcfs_ignores_priority() -> None:
     scheduler, worker = make_scheduler(max_num_seqs=1), StandInWorker(4)
     scheduler.add_request(make_request("first", [1, 2], priority=5, arrival_time=1.0))
