@@ -364,9 +364,9 @@ class AsyncEngine:
             state = self.output_processor.requests.get(request_id)
             if state is None:
                 continue
-            if state.error is not None:
+            if state.error is not None:  # no success: counted like an abort
+                self._record_aborted(request_id)
                 self.output_processor.requests.pop(request_id)
-                self._record_finished(state)
                 self._fail(request_id, RequestFailedError(*state.error))
                 continue
             output = RequestStepOutput(request_id, request_deltas)
