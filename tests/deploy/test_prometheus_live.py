@@ -13,11 +13,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,7 +22,7 @@ import httpx
 import promql_parser
 import pytest
 import yaml
-from _subprocesses import alive, descendants, free_port, get_ok, stop, wait_for
+from _subprocesses import free_port, get_ok, pagedray_serve, stop, wait_for
 
 from pagedray.cluster.grafana_dashboard import METRIC_NAMES, promql_expressions
 
@@ -36,7 +33,6 @@ LONG_MAX_TOKENS = 900  # of the tiny model's 1024 positions: 57 of the 64 blocks
 APT_TIMEOUT_S = 300
 START_TIMEOUT_S = 150  # Ray, Serve, the engine replica and its worker on 2 CPU cores
 METRICS_TIMEOUT_S = 60
-STOP_TIMEOUT_S = 60
 # What Grafana would substitute for the dashboard's variables, for the local scrape job.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": MODEL, "$job": "ray-local"}
 LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+), (?P<label>\w+)\)$")
@@ -86,58 +82,21 @@ def server(workdir: Path, tiny_llama: str, prometheus_bin: str) -> Iterator[dict
 
     Takes `prometheus_bin` only to skip before starting anything when Prometheus is missing.
     """
-    port, metrics_port = free_port(), free_port()
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env.update(
-        RAY_TMPDIR=str(workdir),  # its own Ray temp dir (sockets, logs, discovery file)
-        # Export every second, not every 10 (Ray then drops gauges unrecorded for 2 s: the
-        # engine re-records them every second, idle or not).
-        RAY_metrics_report_interval_ms="1000",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    command = [
-        str(Path(sys.executable).with_name("pagedray")),
-        "serve",
-        tiny_llama,
-        "--served-model-name",
-        MODEL,
-        "--port",
-        str(port),
-        "--metrics-export-port",
-        str(metrics_port),
-        "--num-kv-blocks",
-        "64",
-        "--num-threads",
-        "1",
-        "--device",
-        "cpu",
-    ]
-    log = (workdir / "serve.log").open("w")
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("pagedray serve healthy", lambda: get_ok(f"{url}/health"), START_TIMEOUT_S, proc)
-    except AssertionError as exc:
-        stop(proc, STOP_TIMEOUT_S)
-        log.close()
-        raise AssertionError(f"{exc}\n{(workdir / 'serve.log').read_text()[-3000:]}") from exc
-    ray_pids = descendants(proc.pid)
-    try:
-        yield {"url": url, "metrics_port": metrics_port, "ray_tmp": workdir / "ray"}
-    finally:
-        ray_pids |= descendants(proc.pid)
-        stop(proc, STOP_TIMEOUT_S)
-        log.close()
-    deadline = time.monotonic() + 30
-    while any(alive(pid) for pid in ray_pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = sorted(pid for pid in ray_pids if alive(pid))
-    for pid in left:  # ours (started by that `pagedray serve`), killed by PID
-        os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"pagedray serve exited with {proc.returncode}"
-    assert not left, f"Ray processes outlived pagedray serve: {left}"
-    assert not get_ok(f"http://127.0.0.1:{metrics_port}/metrics")
+    # Export every second, not every 10 (Ray then drops gauges unrecorded for 2 s: the engine
+    # re-records them every second, idle or not).
+    env = {"RAY_metrics_report_interval_ms": "1000"}
+    flags = ["--served-model-name", MODEL, "--num-kv-blocks", "64"]
+    flags += ["--num-threads", "1", "--device", "cpu"]
+    with pagedray_serve(
+        tiny_llama, *flags, workdir=workdir, env=env, start_timeout_s=START_TIMEOUT_S
+    ) as serving:
+        yield {
+            "url": serving.url,
+            "metrics_port": serving.metrics_port,
+            "ray_tmp": serving.ray_tmp,
+        }
+    # pagedray_serve asserted a clean exit and that no Ray process outlived it.
+    assert not get_ok(f"http://127.0.0.1:{serving.metrics_port}/metrics")
 
 
 def _prometheus_config(metrics_port: int, ray_tmp: Path, path: Path) -> None:
