@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.output_processor import OutputProcessor
+from pagedray.cluster.prompts import as_prompt_list
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ class LLM:
         Raises:
             ValueError: a prompt or parameter is invalid; nothing was queued.
         """
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompt_list = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

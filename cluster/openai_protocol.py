@@ -11,9 +11,40 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.scheduler.sampling_params import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 # ---- requests ------------------------------------------------------------------------------
+
+
+def _bounded(default: Any, **schema: Any) -> Any:
+    """A field whose JSON schema (/openapi.json) states the range `SamplingParams` enforces;
+    the check itself, and its "field: message" error, stay there."""
+    return Field(default, json_schema_extra=schema)
+
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_INT32}
+_COUNT = {"minimum": 1, "maximum": MAX_INT32}
+_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}
+_PENALTY = {"minimum": -2.0, "maximum": 2.0}
+
+
+def _prompt_schema(schema: dict[str, Any]) -> None:
+    """A prompt is non-empty: a string, token ids, strings, or lists of token ids."""
+    tokens = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
+    strings = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
+    batches = {"type": "array", "items": tokens, "minItems": 1}
+    schema.clear()
+    schema.update(
+        {"title": "Prompt", "anyOf": [{"type": "string", "minLength": 1}, tokens, strings, batches]}
+    )
 
 
 class StreamOptions(BaseModel):
@@ -29,23 +60,33 @@ class _GenerationRequest(BaseModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: int = _bounded(1, minimum=1, maximum=MAX_N)
+    temperature: float | None = _bounded(None, minimum=0.0)
+    top_p: float | None = _bounded(None, exclusiveMinimum=0.0, maximum=1.0)
+    top_k: int | None = _bounded(None, minimum=-1, maximum=MAX_INT32)
+    min_p: float | None = _bounded(None, minimum=0.0, maximum=1.0)
+    seed: int | None = _bounded(None, minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = _bounded(None, items=_TOKEN_ID)
+    presence_penalty: float | None = _bounded(None, **_PENALTY)
+    frequency_penalty: float | None = _bounded(None, **_PENALTY)
+    repetition_penalty: float | None = _bounded(
+        None, minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY
+    )
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = _bounded(0, minimum=0, maximum=MAX_INT32)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = _bounded(
+        None,
+        propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS,
+            "maximum": MAX_LOGIT_BIAS,
+        },
+    )
+    cache_salt: str | None = _bounded(None, minLength=1)
     priority: int = 0
     user: str | None = None
 
@@ -103,11 +144,13 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
 
 class CompletionRequest(_GenerationRequest):
     # NOTE: StrictInt keeps ["1", "2"] a list of strings rather than coercing it to token ids.
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
+        json_schema_extra=_prompt_schema
+    )
+    max_tokens: int | None = _bounded(16, **_COUNT)
+    logprobs: int | None = _bounded(None, **_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = _bounded(None, maxLength=0)
     best_of: int | None = None
 
     @model_validator(mode="after")
@@ -145,7 +188,8 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    # As the chat template renders them; any other string could forge a turn.
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -158,11 +202,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = _bounded(None, **_COUNT)
+    max_completion_tokens: int | None = _bounded(None, **_COUNT)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = _bounded(None, **_LOGPROBS)
+    tools: list[dict[str, Any]] | None = _bounded(None, maxItems=0)  # not supported
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

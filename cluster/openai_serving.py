@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -29,12 +30,17 @@ from pagedray.cluster.openai_protocol import (
 )
 from pagedray.cluster.output_processor import ChoiceDelta
 
+logger = logging.getLogger("ray.serve.pagedray.ingress")
+# Seconds a client is told to wait after a 503 that names no time of its own.
+DEFAULT_RETRY_AFTER_S = 1
+
 
 class EngineStreams:
     """The engine-side streams of one client request, opened together and merged."""
 
     def __init__(self, engine: Any, requests: list[dict[str, Any]]) -> None:
         streaming = engine.options(stream=True)
+        self.request_ids = [request["request_id"] for request in requests]
         self.generators = [streaming.generate.remote(request) for request in requests]
 
     async def open(self) -> dict[str, Any] | None:
@@ -46,8 +52,8 @@ class EngineStreams:
         except BaseException:  # cancelled: the client went away before admission
             self.close()
             raise
-        for first in firsts:
-            error = _error_of(first)
+        for request_id, first in zip(self.request_ids, firsts):
+            error = _error_of(first, request_id)
             if error is not None:
                 self.close()
                 return error
@@ -73,7 +79,7 @@ class EngineStreams:
                 if item is None:
                     remaining -= 1
                     continue
-                error = _error_of(item)
+                error = _error_of(item, self.request_ids[index])
                 yield index, item if error is None else RequestStepOutput("", error=error)
         finally:
             for task in tasks:
@@ -86,11 +92,20 @@ class EngineStreams:
             gen.cancel()
 
 
-def _error_of(item: Any) -> dict[str, Any] | None:
+def _error_of(item: Any, request_id: str) -> dict[str, Any] | None:
+    """The error an engine stream item carries, fit for the client: a raised exception (the
+    replica died, the call failed) or an internal error says only that, with the request id;
+    the detail goes to the log under that id."""
     if isinstance(item, BaseException):
-        message = f"engine unavailable: {type(item).__name__}: {item}"
+        logger.warning("request %s: engine call failed: %r", request_id, item)
+        message = f"engine unavailable (request {request_id})"
         return {"status": 503, "message": message, "type": "ServiceUnavailableError"}
-    return item.error
+    error = item.error
+    if error is not None and error.get("status", 500) >= 500 and error.get("status") != 503:
+        logger.error("request %s: engine error: %s", request_id, error.get("message"))
+        message = f"internal error (request {request_id})"
+        return {**error, "status": 500, "message": message, "type": "InternalServerError"}
+    return error
 
 
 @dataclass
@@ -274,7 +289,24 @@ def _field_of(message: str) -> str | None:
 
 
 def engine_error_response(error: dict[str, Any]) -> JSONResponse:
-    return error_response(error["status"], error["message"], error["type"], error.get("param"))
+    """An engine error dict ({"status", "message", "type", "param", "retry_after"?}) as HTTP;
+    a 503 or an error with `retry_after` (seconds) tells the client when to retry."""
+    status = error["status"]
+    response = error_response(status, error["message"], error["type"], error.get("param"))
+    retry_after = error.get("retry_after")
+    if retry_after is None and status == 503:
+        retry_after = DEFAULT_RETRY_AFTER_S
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(max(0, int(retry_after)))
+    return response
+
+
+def engine_unavailable(request_id: str) -> JSONResponse:
+    """503 for an engine that cannot be reached or cannot step; no detail but the request id."""
+    message = f"engine unavailable (request {request_id})"
+    return engine_error_response(
+        {"status": 503, "message": message, "type": "ServiceUnavailableError"}
+    )
 
 
 class HTTPMetricsMiddleware:

@@ -1,0 +1,102 @@
+"""The ingress's control calls to the engine replicas: health, stats and the engine's limits.
+
+Each is a broadcast to every replica. What a failed replica said (an actor death, a timeout) is
+logged under a request id and replaced by an opaque "engine unavailable (request ...)": clients
+see that something is down, not the cluster's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.openai_serving import engine_unavailable
+
+logger = logging.getLogger("ray.serve.pagedray.ingress")
+# Seconds the ingress waits for every engine replica to answer a health or stats call.
+CONTROL_TIMEOUT_S = 10.0
+
+
+class EngineControl:
+    """Broadcasts to the engine deployment behind a DeploymentHandle (`engine`)."""
+
+    def __init__(self, engine: Any, max_model_len: int) -> None:
+        """`max_model_len` is what the config implies, until the replicas report theirs."""
+        self.engine = engine
+        self.max_model_len = max_model_len
+        # The most requests one replica queues: a batch of more prompts is never admitted.
+        self.max_num_waiting: int | None = None
+        self._limits_known = False
+        self._lock = asyncio.Lock()
+
+    async def broadcast(self, method: str, request_id: str) -> list[dict[str, Any]] | Response:
+        """Every replica's answer to `method`, a failed one as an unhealthy entry; a 503 if no
+        replica could be asked."""
+        try:
+            response = self.engine.broadcast(method)
+            results = await response.results_async(
+                timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True
+            )
+        except Exception as exc:  # noqa: BLE001 - no replica is up
+            logger.warning("%s: engine %s broadcast failed: %r", request_id, method, exc)
+            return engine_unavailable(request_id)
+        answers = []
+        for result in results:
+            if isinstance(result, dict):
+                answers.append(result)
+                continue
+            logger.warning("%s: engine replica failed %s: %r", request_id, method, result)
+            error = f"engine unavailable (request {request_id})"
+            answers.append({"healthy": False, "error": error})
+        return answers
+
+    async def health(self, request_id: str) -> Response:
+        """200 `ok`, 200 `degraded` (a replica is saturated but steps), or 503 if a replica
+        cannot step; nothing else (no replica ids, no step counts, no errors)."""
+        replicas = await self.broadcast("health", request_id)
+        if isinstance(replicas, Response):
+            return replicas
+        unhealthy = [r for r in replicas if not r.get("healthy")]
+        if unhealthy or not replicas:
+            logger.warning("%s: engine unhealthy: %s", request_id, unhealthy or "no replicas")
+            return engine_unavailable(request_id)
+        degraded = any(r.get("degraded", False) for r in replicas)
+        return JSONResponse({"status": "degraded" if degraded else "ok"})
+
+    async def learn_limits(self) -> None:
+        """Once: the engine's real `max_model_len` (the KV pool may cap it below the model's)
+        and `max_num_waiting`, each the min over replicas. Until a replica answers, the
+        config's `max_model_len` stands and the queue is taken as unbounded."""
+        if self._limits_known:
+            return
+        async with self._lock:
+            if self._limits_known:
+                return
+            replicas = await self.broadcast("stats", "engine-limits")
+            if isinstance(replicas, Response):
+                return
+            answered = [r for r in replicas if "num_kv_blocks" in r]  # stats, not failures
+            limits = [r["max_model_len"] for r in answered if _is_int(r.get("max_model_len"))]
+            if limits:
+                self.max_model_len = min(self.max_model_len, *limits)
+            queues = [r["max_num_waiting"] for r in answered if _is_int(r.get("max_num_waiting"))]
+            if queues:
+                self.max_num_waiting = min(queues)
+            # An engine that does not report a limit keeps the default: ask no more.
+            self._limits_known = bool(answered)
+
+
+def config_max_model_len(config: EngineConfig) -> int:
+    """The limit the config implies: the model's, capped by an explicit KV pool's capacity."""
+    limit = config.resolved_max_model_len()
+    if config.num_kv_blocks is not None:
+        limit = min(limit, config.num_kv_blocks * config.block_size)
+    return limit
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,110 @@
+"""The Serve application: the OpenAI ingress bound to its engine replicas, built from Python
+(`build_openai_app`) or from Serve's builder arguments (`build_app`, which `serve run`, Serve
+config files and the Helm chart reach as `pagedray.cluster.openai_app:build_app`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+from typing import Any
+
+from ray.serve import Application
+
+from pagedray.cluster.config import EngineConfig
+from pagedray.cluster.engine_deployment import engine_deployment
+from pagedray.cluster.ingress_guard import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    GuardSettings,
+    api_key_sha256_of,
+)
+
+# `build_app` arguments that configure the deployments rather than the engine.
+APP_ARGS = (
+    "num_replicas",
+    "min_replicas",
+    "max_replicas",
+    "api_key",
+    "api_key_file",
+    "api_key_sha256",
+    "max_request_body_bytes",
+    "stuck_after_s",
+    "health_check_period_s",
+    "ingress_num_cpus",
+)
+
+
+def build_openai_app(
+    config: EngineConfig,
+    num_replicas: int = 1,
+    api_key: str | None = None,
+    autoscaling_config: dict[str, Any] | None = None,
+    stuck_after_s: float | None = None,
+    health_check_period_s: float | None = None,
+    ingress_num_cpus: float = 0.0,
+    engine_builder: Any = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    api_key_sha256: str | None = None,
+) -> Application:
+    """The ingress bound to `num_replicas` engines (or an autoscaled range of them).
+
+    `engine_builder` replaces `build_engine` in every engine replica (tests inject faults).
+    The ingress waits on I/O and tokenizes, so like Serve's proxy it reserves no CPU by default.
+    Only the API key's SHA-256 (`api_key_sha256`, or computed from `api_key`) is passed on.
+    """
+    guard = GuardSettings(
+        api_key_sha256_of({"api_key": api_key, "api_key_sha256": api_key_sha256}),
+        max_request_body_bytes,
+    )
+    options: dict[str, Any] = {"num_replicas": num_replicas}
+    if autoscaling_config is not None:
+        options = {"autoscaling_config": autoscaling_config}
+    if health_check_period_s is not None:
+        options["health_check_period_s"] = health_check_period_s
+    engine_kwargs: dict[str, Any] = {"engine_builder": engine_builder}
+    if stuck_after_s is not None:
+        engine_kwargs["stuck_after_s"] = stuck_after_s
+    from pagedray.cluster.openai_app import OpenAIIngress
+
+    engine = engine_deployment(config, **options).bind(config.model_dump(), **engine_kwargs)
+    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": ingress_num_cpus})
+    return ingress.bind(engine, config.model_dump(), *astuple(guard))
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve's app builder: `serve run pagedray.cluster.openai_app:build_app model=... key=value`.
+
+    Keys are `EngineConfig` fields (strings are coerced) plus `APP_ARGS`; `min_replicas` and
+    `max_replicas` turn on autoscaling. Without `model`, the default model is built and served.
+    The API key is `api_key`, or the stripped content of `api_key_file`, or given only as its
+    hex SHA-256 (`api_key_sha256`), so a config file need not hold the key itself.
+    """
+    args = {key: value for key, value in args.items() if value is not None}
+    app_args = {key: args.pop(key) for key in APP_ARGS if key in args}
+    if "model" not in args:
+        from pagedray.cluster.default_model import default_model_path
+
+        args["model"] = str(default_model_path())
+    # Serving runs every rank as a Ray actor in the replica's placement group.
+    args.setdefault("use_ray_workers", True)
+    config = EngineConfig.model_validate(args)
+    autoscaling_config = None
+    if "min_replicas" in app_args or "max_replicas" in app_args:
+        low = int(app_args.pop("min_replicas", 1))
+        high = int(app_args.pop("max_replicas", max(low, 1)))
+        autoscaling_config = {"min_replicas": low, "max_replicas": high}
+    return build_openai_app(
+        config,
+        num_replicas=int(app_args.get("num_replicas", 1)),
+        api_key_sha256=api_key_sha256_of(app_args),
+        autoscaling_config=autoscaling_config,
+        stuck_after_s=_float_or_none(app_args.get("stuck_after_s")),
+        health_check_period_s=_float_or_none(app_args.get("health_check_period_s")),
+        ingress_num_cpus=float(app_args.get("ingress_num_cpus", 0.0)),
+        max_request_body_bytes=int(
+            app_args.get("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+        ),
+    )
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,221 @@
+"""The ingress's edge, piece by piece: strict JSON bodies, the guard middleware (API key, body
+limit, last-resort 500) on a plain Starlette app, and engine failures as opaque errors. The same
+behaviour through Ray Serve over HTTP: tests/cluster/test_ingress_limits.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Iterator
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from pagedray.cluster.async_engine import RequestStepOutput
+from pagedray.cluster.ingress_guard import GuardSettings, IngressGuard, api_key_digest
+from pagedray.cluster.openai_serving import EngineStreams, engine_error_response
+from pagedray.cluster.request_body import MAX_JSON_DEPTH, BodyError, parse_json_body
+
+KEY = "sk-unit"
+LIMIT = 1024
+
+
+# ---- strict JSON ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, param, message",
+    [
+        (b'{"prompt": "caf\xe9"}', "body", "body: invalid UTF-8 at byte 15"),
+        (b'{"prompt": ', "body", "body: invalid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "body", "body: JSON nested deeper than"),
+        (b'{"a": ' * 65 + b"1" + b"}" * 65, "body", "body: JSON nested deeper than"),
+        (b'{"prompt": "\\ud800"}', "prompt", "prompt: contains a lone surrogate"),
+        (
+            b'{"messages": [{"role": "user", "content": "x\\udfff"}]}',
+            "messages",
+            "messages.0.content: contains a lone surrogate",
+        ),
+        (b'{"logit_bias": {"\\ud800": 1}}', "logit_bias", "logit_bias.\\ud800: contains"),
+        (b'"\\ud800"', "body", "body: contains a lone surrogate"),
+    ],
+)
+def test_bodies_a_route_must_not_see(raw: bytes, param: str, message: str) -> None:
+    with pytest.raises(BodyError) as caught:
+        parse_json_body(raw)
+    assert str(caught.value).startswith(message) and caught.value.param == param
+
+
+def test_ordinary_bodies_parse() -> None:
+    nested = b'{"a": ' * (MAX_JSON_DEPTH - 1) + b"1" + b"}" * (MAX_JSON_DEPTH - 1)
+    assert parse_json_body(nested)["a"]["a"]
+    body = '{"prompt": "Zürich \\ud83d\\ude00", "n": 2, "stop": ["a"]}'.encode()
+    assert parse_json_body(body) == {"prompt": "Zürich 😀", "n": 2, "stop": ["a"]}
+    assert len(parse_json_body(json.dumps({"prompt": list(range(100_000))}).encode())["prompt"])
+
+
+# ---- the guard on a plain app ----------------------------------------------------------------
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    app = FastAPI()
+    settings = GuardSettings(api_key_digest(KEY), LIMIT)
+    app.add_middleware(IngressGuard, settings_of=lambda: settings, routes=app.router.routes)
+
+    @app.post("/echo")
+    async def echo(raw: Request) -> dict[str, int]:
+        return {"size": len(await raw.body())}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret detail /etc/passwd")
+
+    with TestClient(app, raise_server_exceptions=True) as test_client:
+        yield test_client
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _error(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+def test_every_path_but_health_needs_the_key(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    for path in ("/boom", "/docs", "/openapi.json", "/redoc", "/nowhere"):
+        response = client.get(path)
+        assert _error(response, 401)["type"] == "AuthenticationError"
+        assert response.headers["www-authenticate"] == "Bearer"
+    _error(client.post("/echo", content=b"{}", headers={"Authorization": "Bearer sk-wrong"}), 401)
+    _error(client.post("/echo", content=b"{}", headers={"Authorization": KEY}), 401)
+    assert client.post("/echo", content=b"{}", headers=AUTH).json() == {"size": 2}
+    assert client.get("/docs", headers=AUTH).status_code == 200
+
+
+def test_body_limit_from_content_length_and_while_reading(client: TestClient) -> None:
+    assert client.post("/echo", content=b"x" * LIMIT, headers=AUTH).json() == {"size": LIMIT}
+    error = _error(client.post("/echo", content=b"x" * (LIMIT + 1), headers=AUTH), 413)
+    assert error["param"] == "body" and str(LIMIT) in error["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer
+        for _ in range(10):
+            yield b"x" * 200
+
+    _error(client.post("/echo", content=chunks(), headers=AUTH), 413)
+    headers = {**AUTH, "Content-Length": "lots"}
+    assert _error(client.post("/echo", content=b"{}", headers=headers), 400)["param"] == "body"
+
+
+def test_unhandled_exception_is_an_opaque_500(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="ray.serve.pagedray.ingress"):
+        response = client.get("/boom", headers=AUTH)
+    error = _error(response, 500)
+    assert error["message"].startswith("internal error (request req-")
+    assert "secret" not in response.text and "Traceback" not in response.text
+    request_id = error["message"].removeprefix("internal error (request ").removesuffix(")")
+    logged = "\n".join(f"{r.getMessage()}\n{r.exc_text}" for r in caplog.records)
+    assert request_id in logged and "secret detail" in logged and "Traceback" in logged
+
+
+# ---- engine failures ----------------------------------------------------------------------
+
+
+def test_engine_errors_set_retry_after() -> None:
+    busy = {"status": 503, "message": "waiting queue is full", "type": "ServiceUnavailableError"}
+    assert engine_error_response(busy).headers["retry-after"] == "1"
+    assert engine_error_response({**busy, "retry_after": 7}).headers["retry-after"] == "7"
+    bad = {"status": 400, "message": "prompt: too long", "type": "BadRequestError"}
+    assert "retry-after" not in engine_error_response(bad).headers
+    limited = {**bad, "status": 429, "retry_after": 3}
+    assert engine_error_response(limited).headers["retry-after"] == "3"
+
+
+class _FakeHandle:
+    """A DeploymentHandle whose generate streams yield `items` (an exception is raised)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.generate = self
+
+    def options(self, stream: bool) -> _FakeHandle:
+        return self
+
+    def remote(self, request: dict[str, Any]) -> Any:
+        return _FakeGenerator(list(self.items))
+
+
+class _FakeGenerator:
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __aiter__(self) -> _FakeGenerator:
+        return self
+
+    async def __anext__(self) -> Any:
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.items = []
+
+
+def _merged_errors(items: list[Any], caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The errors a client would see: the refusal at admission, or those in the stream."""
+
+    async def run() -> list[dict[str, Any]]:
+        streams = EngineStreams(_FakeHandle(items), [{"request_id": "cmpl-7"}])
+        refused = await streams.open()
+        if refused is not None:
+            return [refused]
+        return [out.error async for _, out in streams.merged() if out.error is not None]
+
+    with caplog.at_level(logging.WARNING, logger="ray.serve.pagedray.ingress"):
+        return asyncio.run(run())
+
+
+def test_a_dead_replica_is_engine_unavailable(caplog: pytest.LogCaptureFixture) -> None:
+    died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited, traceback ...")
+    errors = _merged_errors([RequestStepOutput("cmpl-7"), died], caplog)
+    assert errors == [
+        {
+            "status": 503,
+            "message": "engine unavailable (request cmpl-7)",
+            "type": "ServiceUnavailableError",
+        }
+    ]
+    assert "cmpl-7" in caplog.text and "pid=1234" in caplog.text
+
+
+def test_an_internal_engine_error_keeps_only_the_request_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    internal = {
+        "status": 500,
+        "message": "RuntimeError: CUDA error at sampler.py:88",
+        "type": "InternalServerError",
+        "param": None,
+    }
+    failed = RequestStepOutput("", error=internal)
+    errors = _merged_errors([RequestStepOutput("cmpl-7"), failed], caplog)
+    assert errors[0]["message"] == "internal error (request cmpl-7)"
+    assert errors[0]["status"] == 500 and "sampler.py" in caplog.text
+    # Refusals the client can act on keep their message.
+    refused = {"status": 400, "message": "prompt: too long", "type": "BadRequestError"}
+    assert _merged_errors([RequestStepOutput("", error=refused)], caplog) == [refused]

@@ -1,0 +1,85 @@
+"""`pagedray serve` on its own local Ray, seen from outside: where its ports listen and what
+its processes' command lines show (issue P5's closed surface).
+
+With the default `--host 127.0.0.1`, the API, the dashboard, Ray's metrics export port and Ray's
+own GCS and raylet listen on loopback only; the API key given as a file is in no command line,
+and only its digest reaches Serve.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+from _subprocesses import command_line, descendants, pagedray_serve
+
+KEY = "sk-binding-test-key"
+# Ray Serve 2.60 starts an inter-deployment gRPC server on "[::]:0" in every replica,
+# unconditionally (ray/serve/_private/replica.py): the one listener that cannot be kept on
+# loopback. The README says so; these are the only processes allowed to listen elsewhere.
+SERVE_REPLICA = "ray::ServeReplica"
+
+
+def _listeners(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of each TCP socket listening in one of `pids` (from /proc)."""
+    inode_pid: dict[str, int] = {}
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            for fd in fd_dir.iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inode_pid[target[8:-1]] = pid
+        except OSError:  # exited, or not ours to read
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inode_pid:  # 0A: LISTEN
+                address, port = local.rsplit(":", 1)
+                found.append((_address(address), int(port, 16), inode_pid[inode]))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    """/proc/net's little-endian hex address as text ("127.0.0.1", "::ffff:127.0.0.1", "::")."""
+    raw = bytes.fromhex(hex_address)
+    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+    if len(raw) == 4:
+        return ".".join(str(b) for b in words[0])
+    joined = b"".join(words)
+    if joined[:12] == b"\0" * 10 + b"\xff\xff":
+        return "::ffff:" + ".".join(str(b) for b in joined[12:])
+    return "::" if joined == b"\0" * 16 else joined.hex()
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith(("127.", "::ffff:127.")) or address == "::1"
+
+
+def test_everything_but_serve_replicas_listens_on_loopback(tiny_llama: str, tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text(f"  {KEY}\n")
+    flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32", "--num-threads", "1"]
+    with pagedray_serve(tiny_llama, *flags, "--api-key-file", str(key_file)) as server:
+        pids = {server.proc.pid, *descendants(server.proc.pid)}
+        listeners = _listeners(pids)
+        ports = {port for _, port, _ in listeners}
+        api_port = int(server.url.rsplit(":", 1)[1])
+        assert {api_port, server.metrics_port} <= ports
+        exposed = [
+            (address, port, command_line(pid))
+            for address, port, pid in listeners
+            if not _loopback(address) and SERVE_REPLICA not in command_line(pid)
+        ]
+        assert not exposed, exposed
+        assert not [pid for pid in pids if KEY in command_line(pid)]
+        # The key works, and /health needs none.
+        assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+        auth = {"Authorization": f"Bearer {KEY}"}
+        models = httpx.get(f"{server.url}/v1/models", headers=auth, timeout=10).json()
+        assert models["data"][0]["max_model_len"] == 32 * 16  # the pool's, not the model's
