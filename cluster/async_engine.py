@@ -9,46 +9,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import heapq
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedray.cluster.admission import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    Admission,
+    EngineOverloadedError,
+    WaitingRequest,
+    default_max_num_waiting,
+)
 from pagedray.cluster.metrics import EngineMetrics
-from pagedray.cluster.output_processor import ChoiceDelta, OutputProcessor, RequestState
+from pagedray.cluster.output_processor import ChoiceDelta, OutputProcessor
+from pagedray.cluster.step_metrics import StepMetricsRecorder
+from pagedray.cluster.step_outputs import RequestStepOutput, merge_step_outputs, usage_of
 from pagedray.scheduler.engine_core import EngineCore
-from pagedray.scheduler.request import EngineRequest, Request
+from pagedray.scheduler.request import EngineRequest, RequestStatus
 from pagedray.scheduler.sampling_params import SamplingParams
 
 # A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
 DEFAULT_STUCK_AFTER_S = 120.0
-# A request not finished this long after it arrived is aborted, its blocks freed (504).
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-# Without `max_num_waiting`, the serving queue holds at most this many full batches, and no more
-# requests than the pool has blocks (each needs one to start): beyond it a request waits for
-# minutes, so it is refused at once (503) and the client can go elsewhere.
-DEFAULT_WAITING_BATCHES = 2
-# After refusing a request, health reports the engine degraded for this long.
-DEGRADED_HOLD_S = 5.0
-# What a 503 tells the client to wait before retrying (Retry-After), seconds.
-RETRY_AFTER_S = 1
 # NOTE: Ray drops a gauge not recorded again within two metrics export intervals (20 s by
 # default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
 METRICS_REFRESH_S = 1.0
 
 
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is at `max_num_waiting`: the request was refused, try again later."""
-
-
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a step raised); no request can be served by this engine."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request outlived its deadline (`request_timeout_s`); it was aborted, blocks freed."""
 
 
 class RequestFailedError(RuntimeError):
@@ -59,54 +48,7 @@ class RequestFailedError(RuntimeError):
         self.status = status
 
 
-def default_max_num_waiting(max_num_seqs: int, num_kv_blocks: int) -> int:
-    """The serving queue's bound when none is configured (see DEFAULT_WAITING_BATCHES)."""
-    return max(1, min(DEFAULT_WAITING_BATCHES * max_num_seqs, num_kv_blocks))
-
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestStepOutput:
-    """What one engine step produced for one request; the last one carries usage and timing."""
-
-    request_id: str
-    deltas: list[ChoiceDelta] = field(default_factory=list)  # one per choice that advanced
-    finished: bool = False  # every choice has a finish reason
-    usage: dict[str, int] | None = None  # prompt/completion/total/cached tokens, when finished
-    metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
-    error: dict[str, Any] | None = None  # set instead of deltas when the request failed
-
-
-def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
-    """Consecutive outputs of one request as one message, the last's status.
-
-    Each choice's deltas fold into one (text, tokens and logprobs joined in order): a client
-    then gets one chunk per choice for the whole span, as from vLLM's `--stream-interval`.
-    """
-    last = outputs[-1]
-    folded: dict[int, ChoiceDelta] = {}
-    for output in outputs:
-        for delta in output.deltas:
-            earlier = folded.get(delta.index)
-            folded[delta.index] = delta if earlier is None else _join(earlier, delta)
-    return RequestStepOutput(
-        last.request_id, list(folded.values()), last.finished, last.usage, last.metrics, last.error
-    )
-
-
-def _join(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
-    logprobs = None
-    if earlier.logprobs is not None or later.logprobs is not None:
-        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
-    return dataclasses.replace(
-        later,
-        text=earlier.text + later.text,
-        token_ids=earlier.token_ids + later.token_ids,
-        logprobs=logprobs,
-        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
-    )
 
 
 @dataclass
@@ -132,13 +74,14 @@ class AsyncEngine:
         self.output_processor = output_processor
         self.stuck_after_s = stuck_after_s
         self.metrics = metrics
-        self.request_timeout_s = request_timeout_s
-        scheduler = engine.scheduler
-        self.max_num_waiting: int = scheduler.config.max_num_waiting or default_max_num_waiting(
-            scheduler.config.max_num_seqs, scheduler.kv_cache_manager.num_blocks
+        self._recorder = StepMetricsRecorder(metrics)
+        config = engine.scheduler.config
+        max_num_waiting = config.max_num_waiting or default_max_num_waiting(
+            config.max_num_seqs, engine.scheduler.kv_cache_manager.num_blocks
         )
-        self._deadlines: list[tuple[float, str]] = []  # heap of (time.monotonic(), request_id)
-        self._last_refusal: float | None = None  # time.monotonic() of the last 503
+        self.admission = Admission(
+            max_num_waiting, request_timeout_s, by_priority=config.policy == "priority"
+        )
         self._streams: dict[str, asyncio.Queue[RequestStepOutput | BaseException]] = {}
         self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
         self._pending_aborts: set[str] = set()
@@ -147,9 +90,6 @@ class AsyncEngine:
         self._step_started: float | None = None  # time.monotonic() while a step is in flight
         self._error: BaseException | None = None
         self._stats = self.engine.stats()  # a snapshot, refreshed only while no step runs
-        # Scheduler-side state of live requests, kept for their queue time (only with metrics).
-        self._requests: dict[str, Request] = {}
-        self._last_output_time: float | None = None  # time.monotonic() of the last token step
 
     def start(self) -> None:
         """Start the loop on the running event loop (idempotent)."""
@@ -182,11 +122,16 @@ class AsyncEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         # Refused here, before the caller answers 200, rather than failing once queued.
         self.engine.scheduler.check_limits(len(prompt_token_ids), params.n)
-        if self._num_waiting() >= self.max_num_waiting:
-            self._last_refusal = time.monotonic()
-            raise EngineOverloadedError(
-                f"the waiting queue is full ({self.max_num_waiting} requests); retry later"
+        displaced = self.admission.admit(self._num_waiting(), priority, self._not_started)
+        if displaced is not None:
+            self._fail(
+                displaced,
+                EngineOverloadedError(
+                    "the waiting queue is full and this request gave way to one of better "
+                    "priority; retry later"
+                ),
             )
+            self._abort_accepted(displaced)
         engine_request = EngineRequest(
             request_id,
             list(prompt_token_ids),
@@ -198,12 +143,7 @@ class AsyncEngine:
         self._pending[request_id] = _PendingRequest(engine_request, prompt)
         queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
-        if self.request_timeout_s is not None:
-            if len(self._deadlines) > 2 * len(self._streams) + 64:  # mostly finished: compact
-                self._deadlines = [d for d in self._deadlines if d[1] in self._streams]
-                heapq.heapify(self._deadlines)
-            deadline = time.monotonic() + self.request_timeout_s
-            heapq.heappush(self._deadlines, (deadline, request_id))
+        self.admission.track(request_id, self._streams, len(self._streams))
         self._wake()
         return self._stream(request_id, queue)
 
@@ -232,14 +172,9 @@ class AsyncEngine:
             running_for = time.monotonic() - self._step_started
             if running_for > self.stuck_after_s:
                 error = f"engine step has been running for {running_for:.1f}s (stuck)"
-        refused_lately = (
-            self._last_refusal is not None
-            and time.monotonic() - self._last_refusal < DEGRADED_HOLD_S
-        )
-        degraded = refused_lately or self._num_waiting() >= self.max_num_waiting
         return {
             "healthy": error is None,
-            "degraded": error is None and degraded,
+            "degraded": error is None and self.admission.degraded(self._num_waiting()),
             "error": error,
             "num_steps": self.engine.num_steps,
         }
@@ -251,7 +186,7 @@ class AsyncEngine:
             **self._stats,
             "num_requests": len(self._streams),
             "num_pending": len(self._pending),
-            "max_num_waiting": self.max_num_waiting,
+            "max_num_waiting": self.admission.max_num_waiting,
             "max_model_len": self.engine.scheduler.max_model_len,
             "last_step_duration": self.engine.last_step_duration,
             "last_batch_size": self.engine.last_batch_size,
@@ -274,10 +209,9 @@ class AsyncEngine:
             while True:
                 self._expire_deadlines()
                 self._apply_pending()
-                if self.metrics is not None:
-                    self.metrics.record_stats(self._stats)
+                self._recorder.stats(self._stats)
                 if not self.engine.has_unfinished_requests():
-                    self._last_output_time = None  # an idle gap is no inter-token latency
+                    self._recorder.idle()
                     self._wakeup.clear()
                     await self._wait_for_work()
                     continue
@@ -291,8 +225,8 @@ class AsyncEngine:
                 if stopped:
                     self.engine.stop_requests(stopped)
                 self._stats = self.engine.stats()
-                if self.metrics is not None and self.engine.num_steps > num_steps:
-                    self._record_step(len(outputs))
+                if self.engine.num_steps > num_steps:
+                    self._recorder.step(self.engine, len(outputs))
                 self._publish(deltas)
         except asyncio.CancelledError:
             raise
@@ -311,18 +245,8 @@ class AsyncEngine:
 
     def _expire_deadlines(self) -> None:
         """Abort every request past its deadline and fail its stream with a timeout."""
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self._deadlines)
-            if request_id not in self._streams:
-                continue  # finished or aborted before its deadline
-            self._fail(
-                request_id,
-                RequestTimeoutError(
-                    f"the request did not finish within {self.request_timeout_s:g} s "
-                    "(request_timeout_s); it was aborted"
-                ),
-            )
+        for request_id in self.admission.expired(self._streams):
+            self._fail(request_id, self.admission.timeout_error())
             self._abort_accepted(request_id)
 
     def _apply_pending(self) -> None:
@@ -331,7 +255,7 @@ class AsyncEngine:
             aborts, self._pending_aborts = list(self._pending_aborts), set()
             self.engine.abort_requests(aborts)
             for request_id in aborts:
-                self._record_aborted(request_id)
+                self._recorder.aborted(request_id, self.output_processor.requests.get(request_id))
                 self.output_processor.abort(request_id)
         pending, self._pending = list(self._pending.values()), {}
         for item in pending:
@@ -352,8 +276,7 @@ class AsyncEngine:
                 request.req_id, item.prompt, request.prompt_token_ids, request.sampling_params
             )
             state.arrival_time = request.arrival_time
-            if self.metrics is not None:
-                self._requests[request.req_id] = self.engine.scheduler.requests[request.req_id]
+            self._recorder.admitted(self.engine.scheduler.requests[request.req_id])
         self._stats = self.engine.stats()
 
     def _publish(self, deltas: list[ChoiceDelta]) -> None:
@@ -365,67 +288,25 @@ class AsyncEngine:
             if state is None:
                 continue
             if state.error is not None:  # no success: counted like an abort
-                self._record_aborted(request_id)
-                self.output_processor.requests.pop(request_id)
+                self._recorder.aborted(request_id, self.output_processor.requests.pop(request_id))
                 self._fail(request_id, RequestFailedError(*state.error))
                 continue
             output = RequestStepOutput(request_id, request_deltas)
             if state.finished:
                 self.output_processor.requests.pop(request_id)
                 output.finished = True
-                output.usage = _usage(state)
+                output.usage = usage_of(state)
                 output.metrics = {
                     "arrival_time": state.arrival_time,
                     "first_token_time": state.first_token_time or 0.0,
                     "finish_time": state.finish_time or 0.0,
                 }
-                self._record_finished(state)
+                self._recorder.finished(state)
             queue = self._streams.get(request_id)
             if queue is not None:
                 queue.put_nowait(output)
                 if output.finished:
                     del self._streams[request_id]
-
-    # ---- metrics: a few calls per step and per request, never per token -------------------
-
-    def _record_step(self, num_outputs: int) -> None:
-        assert self.metrics is not None
-        # NOTE: one output per sequence that sampled, one token each. One inter-token latency
-        # per step, not per token: every sequence that also got a token in the previous token
-        # step waited this same interval (a step of first tokens only would count one too).
-        inter_token_latency = None
-        if num_outputs:
-            now = self.engine.last_step_time
-            if self._last_output_time is not None:
-                inter_token_latency = now - self._last_output_time
-            self._last_output_time = now
-        self.metrics.record_step(
-            self.engine.last_step_duration,
-            self.engine.last_batch_size,
-            num_outputs,
-            inter_token_latency,
-        )
-
-    def _record_finished(self, state: RequestState) -> None:
-        request = self._requests.pop(state.request_id, None)
-        if self.metrics is None:
-            return
-        finish_time = state.finish_time or time.time()
-        self.metrics.record_finished(
-            # NOTE: an n > 1 request counts once, with its first choice's reason.
-            finished_reason=state.choices[0].finish_reason or "unknown",
-            num_prompt_tokens=len(state.prompt_token_ids),
-            arrival_time=state.arrival_time,
-            scheduled_time=request.scheduled_time if request is not None else None,
-            first_token_time=state.first_token_time or finish_time,
-            finish_time=finish_time,
-        )
-
-    def _record_aborted(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        state = self.output_processor.requests.get(request_id)
-        if self.metrics is not None and state is not None and state.first_token_time is not None:
-            self.metrics.record_prefilled(len(state.prompt_token_ids))
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         queue = self._streams.pop(request_id, None)
@@ -434,7 +315,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         self._pending.clear()
-        self._requests.clear()
+        self._recorder.clear()
         for request_id in list(self._streams):
             self.output_processor.abort(request_id)
             self._fail(request_id, exc)
@@ -451,6 +332,21 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"engine lost a worker: rank {rank} exited"))
             if self._task is not None:
                 self._task.cancel()
+
+    def _not_started(self) -> list[WaitingRequest]:
+        """Accepted requests that have not run yet: queued here, or waiting in the scheduler
+        never admitted (a preempted one has streamed tokens: it keeps its place)."""
+        waiting = [
+            WaitingRequest(item.engine_request.priority, item.engine_request.arrival_time, rid)
+            for rid, item in self._pending.items()
+        ]
+        # NOTE: a step may be in flight; list() copies the queue in one go (the GIL holds), and
+        # a request admitted meanwhile that is then picked is aborted like any other.
+        for req in list(self.engine.scheduler.waiting):
+            live = req.req_id in self._streams and req.req_id not in self._pending_aborts
+            if req.status is RequestStatus.WAITING and live:
+                waiting.append(WaitingRequest(req.priority, req.arrival_time, req.req_id))
+        return waiting
 
     def _num_waiting(self) -> int:
         return int(self._stats["num_waiting"]) + len(self._pending)
@@ -487,14 +383,3 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
-
-
-def _usage(state: RequestState) -> dict[str, int]:
-    prompt_tokens = len(state.prompt_token_ids)
-    completion_tokens = sum(len(choice.token_ids) for choice in state.choices)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "cached_tokens": state.num_cached_tokens,
-    }

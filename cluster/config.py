@@ -36,7 +36,7 @@ class EngineConfig(BaseModel):
     seed: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # Serving: beyond this many waiting requests new ones are refused (503); None = sized from
-    # max_num_seqs and the KV pool (see async_engine.default_max_num_waiting). Offline `LLM`
+    # max_num_seqs and the KV pool (see admission.default_max_num_waiting). Offline `LLM`
     # queues without bound.
     max_num_waiting: int | None = Field(None, ge=1)
     # Serving: a request still unfinished this many seconds after it arrived is aborted (504)

@@ -15,21 +15,18 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve import Deployment
 
+from pagedray.cluster.admission import RETRY_AFTER_S, EngineOverloadedError, RequestTimeoutError
 from pagedray.cluster.async_engine import (
     DEFAULT_STUCK_AFTER_S,
-    RETRY_AFTER_S,
     AsyncEngine,
     EngineDeadError,
-    EngineOverloadedError,
     RequestFailedError,
-    RequestStepOutput,
-    RequestTimeoutError,
-    merge_step_outputs,
 )
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.output_processor import OutputProcessor
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
+from pagedray.cluster.step_outputs import RequestStepOutput, merge_step_outputs
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096

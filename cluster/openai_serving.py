@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedray.cluster.async_engine import RequestStepOutput
 from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.openai_protocol import (
     ChatTokenLogprob,
@@ -29,6 +28,7 @@ from pagedray.cluster.openai_protocol import (
     UsageInfo,
 )
 from pagedray.cluster.output_processor import ChoiceDelta
+from pagedray.cluster.step_outputs import RequestStepOutput
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds a client is told to wait after a 503 that names no time of its own.

@@ -8,19 +8,16 @@ from typing import Any
 
 import pytest
 
-from pagedray.cluster.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
+from pagedray.cluster.admission import (
     EngineOverloadedError,
-    RequestFailedError,
-    RequestStepOutput,
     RequestTimeoutError,
     default_max_num_waiting,
-    merge_step_outputs,
 )
+from pagedray.cluster.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.engine_factory import build_engine
 from pagedray.cluster.output_processor import OutputProcessor
+from pagedray.cluster.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -225,7 +222,7 @@ def test_default_waiting_bound_refuses_and_reports_degraded(tiny_llama: str) -> 
 
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama, max_num_seqs=1)
-        assert engine.max_num_waiting == 2  # two batches of one
+        assert engine.admission.max_num_waiting == 2  # two batches of one
         ids = tokenizer.encode("hi")
         long = SamplingParams(max_tokens=200, ignore_eos=True)
         running = engine.add_request("running", ids, long)
@@ -282,3 +279,46 @@ def test_urgent_request_overtakes_a_full_batch_token_exact(tiny_llama: str) -> N
 
 def _tokens(outputs: list[RequestStepOutput]) -> list[int]:
     return [t for o in outputs for d in o.deltas for t in d.token_ids]
+
+
+def test_full_queue_gives_way_to_better_priority(tiny_llama: str) -> None:
+    """Priority policy, queue full: a better-priority arrival displaces the worst request that
+    has not started (503 for it); an equal one is refused; a running one is never touched."""
+
+    async def run() -> None:
+        engine, tokenizer = _engine(
+            tiny_llama, max_num_seqs=1, max_num_waiting=1, scheduling_policy="priority"
+        )
+        ids = tokenizer.encode("hi")
+        running = engine.add_request("running", ids, SamplingParams(max_tokens=30, ignore_eos=True))
+        first = await running.__anext__()
+        waiting = engine.add_request("waiting", ids, GREEDY, priority=0)
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("equal", ids, GREEDY, priority=0)
+        urgent = engine.add_request("urgent", ids, GREEDY, priority=-1)
+        with pytest.raises(EngineOverloadedError, match="gave way"):
+            await _drain(waiting)
+        assert (await _drain(urgent))[-1].finished
+        rest = await _drain(running)
+        assert sum(len(d.token_ids) for o in [first, *rest] for d in o.deltas) == 30
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_requests"]) == (32, 0)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_fcfs_full_queue_refuses_whatever_the_priority(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=1, max_num_waiting=1)
+        ids = tokenizer.encode("hi")
+        running = engine.add_request("running", ids, SamplingParams(max_tokens=30, ignore_eos=True))
+        await running.__anext__()
+        waiting = engine.add_request("waiting", ids, GREEDY)
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("urgent", ids, GREEDY, priority=-1)
+        await running.aclose()
+        assert (await _drain(waiting))[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(run())

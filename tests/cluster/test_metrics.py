@@ -184,7 +184,7 @@ def test_aborted_request_counts_its_prefilled_prompt(tiny_llama: str) -> None:
 
     asyncio.run(run())
     assert recorders["prompt_tokens"].total == len(prompt)
-    assert not recorders["request_success"].values and not engine._requests
+    assert not recorders["request_success"].values and not engine._recorder._requests
     assert recorders["kv_cache_usage_perc"].last == 0
 
 
