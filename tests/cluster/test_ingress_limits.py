@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from _serve_apps import deploy_tiny
 
 MODEL = "tiny"
 API_KEY = "sk-limits-secret"
@@ -25,22 +26,14 @@ ENGINE_MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def url(serve_url: str, tiny_llama: str) -> Iterator[str]:
-    from ray import serve
-
-    from pagedray.cluster.openai_app import build_app
-
-    args = {
-        "model": tiny_llama,
-        "served_model_name": MODEL,
-        "num_kv_blocks": NUM_KV_BLOCKS,
-        "num_threads": 1,
-        "ingress_num_cpus": 0.1,
-        "use_ray_workers": False,
-        "api_key": API_KEY,
-    }
-    serve.run(build_app(args), name="limits", route_prefix="/limits")
-    yield f"{serve_url}/limits"
-    serve.delete("limits")
+    yield from deploy_tiny(
+        serve_url,
+        "limits",
+        tiny_llama,
+        served_model_name=MODEL,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        api_key=API_KEY,
+    )
 
 
 def _post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:

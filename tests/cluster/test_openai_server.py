@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+from _serve_apps import deploy_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray import LLM, SamplingParams
@@ -34,20 +35,12 @@ IN_PROCESS = {**ENGINE_ARGS, "use_ray_workers": False}
 EXPORT_TIMEOUT_S = 30.0
 
 
-def _deploy(serve_url: str, name: str, app: Any) -> Iterator[str]:
-    from ray import serve
-
-    serve.run(app, name=name, route_prefix=f"/{name}")
-    yield f"{serve_url}/{name}"
-    serve.delete(name)
-
-
 @pytest.fixture(scope="module")
 def main_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     from pagedray.cluster.openai_app import build_app
 
     args = {**ENGINE_ARGS, "model": tiny_llama, "num_replicas": 2}
-    yield from _deploy(serve_url, "main", build_app(args))
+    yield from deploy_app(serve_url, "main", build_app(args))
 
 
 @pytest.fixture(scope="module")
@@ -421,7 +414,7 @@ def limited_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
         "max_num_waiting": 1,
         "stream_interval": 4,
     }
-    yield from _deploy(serve_url, "limited", build_app(args))
+    yield from deploy_app(serve_url, "limited", build_app(args))
 
 
 class TestLimitedApp:
@@ -506,7 +499,7 @@ def broken_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
         engine_builder=faulty_builder,  # a nested function: Ray pickles it by value
         health_check_period_s=60.0,  # keep Serve from replacing the replica during the test
     )
-    yield from _deploy(serve_url, "broken", app)
+    yield from deploy_app(serve_url, "broken", app)
 
 
 class TestDeadEngine:
@@ -541,7 +534,7 @@ def tp2_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     from pagedray.cluster.openai_app import build_app
 
     args = {**ENGINE_ARGS, "model": tiny_llama, "tensor_parallel_size": 2}
-    yield from _deploy(serve_url, "tp2", build_app(args))
+    yield from deploy_app(serve_url, "tp2", build_app(args))
 
 
 class TestTensorParallel:

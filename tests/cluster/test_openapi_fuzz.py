@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 import schemathesis
+from _serve_apps import deploy_tiny
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -33,23 +34,15 @@ OPERATIONS = [
 
 @pytest.fixture(scope="module")
 def fuzz_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
-    from ray import serve
-
-    from pagedray.cluster.openai_app import build_app
-
-    args = {
-        "model": tiny_llama,
-        "served_model_name": MODEL,
-        "num_kv_blocks": NUM_KV_BLOCKS,
-        "max_model_len": 128,  # a generation is at most 128 steps
-        "max_num_seqs": 4,
-        "num_threads": 1,
-        "ingress_num_cpus": 0.1,
-        "use_ray_workers": False,
-    }
-    serve.run(build_app(args), name="fuzz", route_prefix="/fuzz")
-    yield f"{serve_url}/fuzz"
-    serve.delete("fuzz")
+    yield from deploy_tiny(
+        serve_url,
+        "fuzz",
+        tiny_llama,
+        served_model_name=MODEL,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_model_len=128,  # a generation is at most 128 steps
+        max_num_seqs=4,
+    )
 
 
 @pytest.fixture(scope="module")
