@@ -16,10 +16,10 @@ import statistics
 import tempfile
 import time
 
-from pagedray.cluster.default_model import make_model
 from pagedray.cluster.placement import ensure_ray
 from pagedray.cluster.ray_executor import DISPATCHES, RayExecutor
 from pagedray.scheduler.messages import CachedRequestData, SchedulerOutput
+from pagedray.tools.default_model import make_model
 from pagedray.workers.worker_config import WorkerConfig
 
 

@@ -59,6 +59,11 @@ class Run:
     token_counts: list[int]  # generated tokens per request
     others_cpu_s: float  # CPU seconds other processes used during the run (see OtherCpu)
     ttft_s: list[float] = field(default_factory=list)  # per request, streaming only
+    # CPU seconds over the run by process role (the server's processes; offline: this one).
+    cpu_by_role: dict[str, float] = field(default_factory=dict)
+
+    def cpu_ms_per_token(self) -> float:
+        return 1000 * sum(self.cpu_by_role.values()) / max(1, self.num_output_tokens)
 
     @property
     def output_tok_s(self) -> float:
@@ -126,6 +131,51 @@ class OtherCpu:
         self.others_s = max(0.0, (busy_end - busy_start) - (ours_end - ours_start))
 
 
+def _role_of(pid: int) -> str:
+    """What a server process is, from its title (Ray names actors `ray::Class...`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            title = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    for marker, role in (
+        ("PagedRayEngine", "engine replica"),
+        ("OpenAIIngress", "ingress replica"),
+        ("ProxyActor", "Serve proxy"),
+        ("WorkerActor", "worker actors"),
+        ("ServeController", "Ray and Serve daemons"),
+        ("pagedray serve", "pagedray serve CLI"),
+    ):
+        if marker in title:
+            return role
+    return "Ray and Serve daemons"
+
+
+class ServerCpu:
+    """CPU seconds each role of a server's processes used over a `with` block (from /proc)."""
+
+    def __init__(self, session: int) -> None:
+        self.session = session
+        self.by_role: dict[str, float] = {}
+
+    def _snapshot(self) -> dict[int, tuple[str, int]]:
+        snapshot = {}
+        for pid in session_pids(self.session):
+            fields = _stat_fields(pid)
+            if fields:
+                snapshot[pid] = (_role_of(pid), int(fields[11]) + int(fields[12]))
+        return snapshot
+
+    def __enter__(self) -> ServerCpu:
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pid, (role, ticks) in self._snapshot().items():
+            used = ticks - self._start.get(pid, (role, 0))[1]
+            self.by_role[role] = self.by_role.get(role, 0.0) + used / CLOCK_TICKS
+
+
 # ---- offline: LLM.generate -------------------------------------------------------------------
 
 
@@ -156,14 +206,19 @@ def run_offline(path: str, workload: Workload, threads: int, tp: int) -> Run:
         llm = LLM(path, dtype="float32", num_threads=threads, tensor_parallel_size=tp)
         generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
         with OtherCpu([os.getsid(0)]) as others:
+            cpu_start = time.process_time()
             result = timed("LLM.generate", lambda: generate(workload.prompts, workload.output_lens))
+            cpu_s = time.process_time() - cpu_start
     finally:
         if llm is not None:
             llm.shutdown()
         if tp > 1:
             ray.shutdown()
     counts = [len(t) for t in result.token_ids]
-    return Run("LLM.generate", tp, result.wall_s, sum(counts), texts, counts, others.others_s)
+    # NOTE: at TP=2 the ranks are actors in other processes: their CPU is not counted here.
+    cpu = {"LLM.generate process": cpu_s}
+    wall_s = result.wall_s
+    return Run("LLM.generate", tp, wall_s, sum(counts), texts, counts, others.others_s, [], cpu)
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -306,7 +361,7 @@ async def complete(
 
 async def send_all(
     url: str, workload: Workload, stream: bool, salt: str, sessions: list[int]
-) -> tuple[float, list[Reply], float]:
+) -> tuple[float, list[Reply], float, dict[str, float]]:
     """One untimed warm-up request, then every request at once.
 
     Returns the wall seconds, the replies, and other processes' CPU seconds meanwhile.
@@ -318,7 +373,7 @@ async def send_all(
         model = (await client.models.list()).data[0].id
         warmup = workload.warmup_prompts[0], workload.warmup_output_lens[0]
         await complete(client, model, *warmup, stream, f"{salt}-warmup")  # not timed
-        with OtherCpu(sessions) as others:
+        with OtherCpu(sessions) as others, ServerCpu(sessions[1]) as server_cpu:
             start = time.perf_counter()
             replies = await asyncio.gather(
                 *(
@@ -327,19 +382,19 @@ async def send_all(
                 )
             )
             wall_s = time.perf_counter() - start
-        return wall_s, replies, others.others_s
+        return wall_s, replies, others.others_s, server_cpu.by_role
 
 
 def run_http(server: Server, workload: Workload, stream: bool, tp: int) -> Run:
     name = "HTTP stream" if stream else "HTTP"
     sessions = [os.getsid(0), server.proc.pid]
-    wall_s, replies, others_s = asyncio.run(
+    wall_s, replies, others_s, cpu_by_role = asyncio.run(
         send_all(server.url, workload, stream, f"{name} tp{tp}", sessions)
     )
     counts = [r.completion_tokens for r in replies]
     ttft_s = [r.ttft_s for r in replies if r.ttft_s is not None]
     texts = [r.text for r in replies]
-    return Run(name, tp, wall_s, sum(counts), texts, counts, others_s, ttft_s)
+    return Run(name, tp, wall_s, sum(counts), texts, counts, others_s, ttft_s, cpu_by_role)
 
 
 def run_server(
@@ -403,6 +458,18 @@ def report(workload: Workload, runs: list[Run]) -> None:
                 f"{run.name} tp={run.tp}: TTFT median {statistics.median(run.ttft_s):.2f} s, "
                 f"p90 {percentile(run.ttft_s, 0.9):.2f} s over {len(run.ttft_s)} requests"
             )
+    print("CPU per output token (ms), by process; serving overhead = all of a server's CPU less")
+    print("what LLM.generate's process spent per token on the same workload:")
+    for run in runs:
+        base = offline.get(run.tp)
+        roles = ", ".join(
+            f"{role} {1000 * s / max(1, run.num_output_tokens):.3f}"
+            for role, s in sorted(run.cpu_by_role.items(), key=lambda item: -item[1])
+        )
+        line = f"  {run.name} tp={run.tp}: total {run.cpu_ms_per_token():.3f} ({roles})"
+        if base is not None and run is not base and run.tp == 1:
+            line += f"; serving overhead {run.cpu_ms_per_token() - base.cpu_ms_per_token():.3f}"
+        print(line)
     print("correctness (loose):")
     for run in runs:
         bad = sum(c != n for c, n in zip(run.token_counts, workload.output_lens))

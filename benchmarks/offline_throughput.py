@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pagedray.cluster.default_model import default_model_path
+from pagedray.tools.default_model import default_model_path
 
 SYSTEMS = ("pagedray", "continuous", "static")
 # Requests whose greedy tokens are compared across systems: a loose check, not a test.

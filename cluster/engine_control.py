@@ -13,8 +13,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from pagedray.cluster.config import EngineConfig
-from pagedray.cluster.openai_serving import engine_unavailable
+from pagedray.engine.config import EngineConfig
+from pagedray.openai.serving import engine_unavailable
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds the ingress waits for every engine replica to answer a health or stats call.

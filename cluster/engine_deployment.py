@@ -15,18 +15,18 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve import Deployment
 
-from pagedray.cluster.admission import RETRY_AFTER_S, EngineOverloadedError, RequestTimeoutError
-from pagedray.cluster.async_engine import (
+from pagedray.cluster.metrics import EngineMetrics
+from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
+from pagedray.engine.admission import RETRY_AFTER_S, EngineOverloadedError, RequestTimeoutError
+from pagedray.engine.async_engine import (
     DEFAULT_STUCK_AFTER_S,
     AsyncEngine,
     EngineDeadError,
     RequestFailedError,
 )
-from pagedray.cluster.config import EngineConfig
-from pagedray.cluster.metrics import EngineMetrics
-from pagedray.cluster.output_processor import OutputProcessor
-from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
-from pagedray.cluster.step_outputs import RequestStepOutput, merge_step_outputs
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
@@ -56,7 +56,7 @@ class EngineDeployment:
         """`engine_builder` (default `build_engine`) lets tests inject a faulty engine."""
         self.config = EngineConfig.model_validate(config)
         if engine_builder is None:
-            from pagedray.cluster.engine_factory import build_engine
+            from pagedray.engine.engine_factory import build_engine
 
             engine_builder = build_engine
         engine, self.executor, tokenizer, _ = engine_builder(self.config)

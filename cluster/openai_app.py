@@ -24,18 +24,19 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
-from pagedray.cluster.engine_factory import load_tokenizer, make_validator
-from pagedray.cluster.ingress_guard import (
+from pagedray.cluster.metrics import IngressMetrics
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.engine_factory import load_tokenizer, make_validator
+from pagedray.engine.prompts import ValidatedPrompt
+from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     GuardSettings,
     IngressGuard,
     http_error,
 )
-from pagedray.cluster.metrics import IngressMetrics
-from pagedray.cluster.openai_prompts import (
+from pagedray.openai.prompts import (
     RequestT,
     chat_prompt,
     completion_prompts,
@@ -43,7 +44,7 @@ from pagedray.cluster.openai_prompts import (
     detokenize,
     tokenize,
 )
-from pagedray.cluster.openai_protocol import (
+from pagedray.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -55,7 +56,8 @@ from pagedray.cluster.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedray.cluster.openai_responses import (
+from pagedray.openai.request_body import BodyError
+from pagedray.openai.responses import (
     ResponseContext,
     chat_chunks,
     chat_response,
@@ -63,8 +65,8 @@ from pagedray.cluster.openai_responses import (
     completion_response,
     with_error_event,
 )
-from pagedray.cluster.openai_schema import declare_request_models, request_body, responses
-from pagedray.cluster.openai_serving import (
+from pagedray.openai.schema import declare_request_models, request_body, responses
+from pagedray.openai.serving import (
     EngineStreams,
     HTTPMetricsMiddleware,
     LogprobFormatter,
@@ -72,8 +74,6 @@ from pagedray.cluster.openai_serving import (
     engine_error_response,
     error_response,
 )
-from pagedray.cluster.prompts import ValidatedPrompt
-from pagedray.cluster.request_body import BodyError
 from pagedray.scheduler.sampling_params import SamplingParams
 
 # Threads per ingress replica that parse bodies and (de)tokenize, off the event loop: a huge

@@ -10,9 +10,9 @@ from typing import Any
 
 from ray.serve import Application
 
-from pagedray.cluster.config import EngineConfig
 from pagedray.cluster.engine_deployment import engine_deployment
-from pagedray.cluster.ingress_guard import (
+from pagedray.engine.config import EngineConfig
+from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     GuardSettings,
     api_key_sha256_of,
@@ -81,7 +81,7 @@ def build_app(args: dict[str, Any]) -> Application:
     args = {key: value for key, value in args.items() if value is not None}
     app_args = {key: args.pop(key) for key in APP_ARGS if key in args}
     if "model" not in args:
-        from pagedray.cluster.default_model import default_model_path
+        from pagedray.tools.default_model import default_model_path
 
         args["model"] = str(default_model_path())
     # Serving runs every rank as a Ray actor in the replica's placement group.

@@ -10,7 +10,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 def __getattr__(name: str):
     # NOTE: lazy so `import pagedray` (e.g. for SamplingParams) does not import torch.
     if name == "LLM":
-        from pagedray.cluster.llm import LLM
+        from pagedray.engine.llm import LLM
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):

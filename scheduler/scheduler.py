@@ -13,7 +13,7 @@ import time
 from typing import Iterable
 
 from pagedray.scheduler.config import SchedulerConfig
-from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
+from pagedray.scheduler.kv_cache_manager import KVCacheManager
 from pagedray.scheduler.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -23,6 +23,7 @@ from pagedray.scheduler.messages import (
 )
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.request import Request, RequestStatus
+from pagedray.scheduler.worker_view import WorkerView
 
 
 class Scheduler:
@@ -45,9 +46,7 @@ class Scheduler:
         self.children: dict[str, list[str]] = {}  # forked parent req_id -> child req_ids
         self._queue_keys: dict[str, tuple[int, float, int]] = {}
         self._arrival_counter = itertools.count()
-        # How many of each sequence's tokens the workers hold; absent = workers do not know it.
-        self._num_tokens_sent: dict[str, int] = {}
-        self._finished_for_workers: list[str] = []
+        self.worker_view = WorkerView(self.kv_cache_manager.get_block_ids)
         self._step_id = 0
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens run through the model, all steps
@@ -122,7 +121,7 @@ class Scheduler:
                 allocation = self.kv_cache_manager.allocate_slots(req, num_new)
             if allocation is None:
                 break  # req preempted itself; everything after it was already preempted
-            self._emit(req, allocation, new_reqs, cached)
+            self.worker_view.emit(req, allocation, new_reqs, cached)
             copies.extend(allocation.copies)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
@@ -138,9 +137,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             blocks_to_copy=copies,
-            finished_req_ids=self._finished_for_workers,
+            finished_req_ids=self.worker_view.take_finished(),
         )
-        self._finished_for_workers = []
         self._step_id += 1
         self.num_computed_tokens_total += output.total_num_scheduled_tokens
         self.num_cow_copies += len(copies)
@@ -196,41 +194,12 @@ class Scheduler:
                 req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self._add_running(req)
-            self._emit(req, allocation, new_reqs, cached)
+            self.worker_view.emit(req, allocation, new_reqs, cached)
             copies.extend(allocation.copies)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
             num_running_seqs += num_seqs
         return budget
-
-    def _emit(
-        self,
-        req: Request,
-        allocation: Allocation,
-        new_reqs: list[NewRequestData],
-        cached: CachedRequestData,
-    ) -> None:
-        """Describe a scheduled sequence to the workers: in full the first time, then as a diff."""
-        sent = self._num_tokens_sent.get(req.req_id)
-        if sent is None or allocation.replaced:
-            if sent is not None:
-                self._finished_for_workers.append(req.req_id)  # table rewritten: resend whole
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req.req_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids),
-                    sampling_params=req.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(req.req_id),
-                    num_computed_tokens=req.num_computed_tokens,
-                )
-            )
-        else:
-            cached.req_ids.append(req.req_id)
-            cached.new_token_ids.append(req.all_token_ids[sent:])
-            cached.new_block_ids.append(allocation.new_block_ids)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-        self._num_tokens_sent[req.req_id] = req.num_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -308,7 +277,7 @@ class Scheduler:
         self.kv_cache_manager.fork(parent, children)
         parent.status = RequestStatus.FINISHED_FORKED
         del self.requests[parent.req_id]
-        self._forget_sent(parent.req_id)
+        self.worker_view.forget(parent.req_id)
         self.children[parent.req_id] = [child.req_id for child in children]
         parent_key = self._queue_keys.pop(parent.req_id)
         for child in children:  # children keep their parent's place in the queues
@@ -348,7 +317,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv_cache_manager.free(req)
-        self._forget_sent(req.req_id)
+        self.worker_view.forget(req.req_id)
         del self.requests[req.req_id]
         self._queue_keys.pop(req.req_id, None)
         parent_id = req.parent_req_id
@@ -356,10 +325,6 @@ class Scheduler:
             child_id not in self.requests for child_id in self.children.get(parent_id, [])
         ):
             self.children.pop(parent_id, None)
-
-    def _forget_sent(self, req_id: str) -> None:
-        if self._num_tokens_sent.pop(req_id, None) is not None:
-            self._finished_for_workers.append(req_id)
 
     def _pick_victim(self) -> Request:
         # NOTE: running is kept in victim order (newest, or lowest priority, last), so the victim
@@ -375,7 +340,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
-        self._forget_sent(req.req_id)
+        self.worker_view.forget(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -16,12 +16,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedray.cluster.default_model import ARCHS  # noqa: E402
+from pagedray.tools.default_model import ARCHS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from pagedray.cluster.default_model import make_model
+    from pagedray.tools.default_model import make_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(make_model(root / arch, arch=arch, preset="tiny", seed=0)) for arch in ARCHS}

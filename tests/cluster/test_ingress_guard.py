@@ -13,10 +13,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from pagedray.cluster.ingress_guard import GuardSettings, IngressGuard, api_key_digest
-from pagedray.cluster.openai_serving import EngineStreams, engine_error_response
-from pagedray.cluster.request_body import MAX_JSON_DEPTH, BodyError, parse_json_body
-from pagedray.cluster.step_outputs import RequestStepOutput
+from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.openai.ingress_guard import GuardSettings, IngressGuard, api_key_digest
+from pagedray.openai.request_body import MAX_JSON_DEPTH, BodyError, parse_json_body
+from pagedray.openai.serving import EngineStreams, engine_error_response
 
 KEY = "sk-unit"
 LIMIT = 1024

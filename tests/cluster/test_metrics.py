@@ -19,15 +19,15 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from pagedray.cluster import async_engine
-from pagedray.cluster.async_engine import AsyncEngine
-from pagedray.cluster.config import EngineConfig
-from pagedray.cluster.engine_factory import build_engine
-from pagedray.cluster.grafana_dashboard import METRIC_NAMES
+from pagedray.cli.serve import add_serve_parser
 from pagedray.cluster.metrics import EngineMetrics, IngressMetrics
-from pagedray.cluster.openai_serving import HTTPMetricsMiddleware, error_response
-from pagedray.cluster.output_processor import OutputProcessor
-from pagedray.cluster.serve_cli import add_serve_parser
+from pagedray.engine import async_engine
+from pagedray.engine.async_engine import AsyncEngine
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.engine_factory import build_engine
+from pagedray.engine.output_processor import OutputProcessor
+from pagedray.observability.grafana_dashboard import METRIC_NAMES
+from pagedray.openai.serving import HTTPMetricsMiddleware, error_response
 from pagedray.scheduler.sampling_params import SamplingParams
 
 MAX_TOKENS = 5

@@ -479,7 +479,7 @@ class TestLimitedApp:
 @pytest.fixture(scope="class")
 def broken_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     def faulty_builder(config: Any) -> tuple[Any, Any, Any, Any]:
-        from pagedray.cluster.engine_factory import build_engine
+        from pagedray.engine.engine_factory import build_engine
 
         engine, executor, tokenizer, validator = build_engine(config)
 
@@ -489,8 +489,8 @@ def broken_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
         engine.step = step
         return engine, executor, tokenizer, validator
 
-    from pagedray.cluster.config import EngineConfig
     from pagedray.cluster.openai_app import build_openai_app
+    from pagedray.engine.config import EngineConfig
 
     args = {k: v for k, v in IN_PROCESS.items() if k != "ingress_num_cpus"}
     app = build_openai_app(

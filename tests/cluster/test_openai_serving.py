@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from pagedray.cluster.openai_serving import LogprobFormatter
-from pagedray.cluster.output_processor import ChoiceDelta
+from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.openai.serving import LogprobFormatter
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import time
 import pytest
 
 from pagedray import LLM, SamplingParams
-from pagedray.cluster.default_model import make_model
 from pagedray.cluster.pipe_dispatch import PipeDispatcher, PipeWorkerLoop, WorkerStepError
 from pagedray.cluster.placement import reserve_placement
 from pagedray.cluster.ray_executor import DISPATCHES, RayExecutor
 from pagedray.scheduler.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from pagedray.tools.default_model import make_model
 from pagedray.workers.worker_config import WorkerConfig
 
 MAX_NEW = 8

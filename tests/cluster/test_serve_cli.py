@@ -6,10 +6,10 @@ import argparse
 
 from ray.serve import Application
 
-from pagedray.cluster.config import EngineConfig
+from pagedray.cli.serve import add_serve_parser, serve_app_args
 from pagedray.cluster.engine_deployment import engine_deployment_options
 from pagedray.cluster.openai_app import build_app
-from pagedray.cluster.serve_cli import add_serve_parser, serve_app_args
+from pagedray.engine.config import EngineConfig
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from pagedray.cluster import ingress_guard, serve_cli
+from pagedray.cli import serve as serve_cli
+from pagedray.cli.serve import add_serve_parser, serve_app_args
 from pagedray.cluster.openai_app import build_app
-from pagedray.cluster.serve_cli import add_serve_parser, serve_app_args
+from pagedray.openai import ingress_guard
 
 KEY = "sk-flag-test"
 DIGEST = hashlib.sha256(KEY.encode()).hexdigest()

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pagedray.cluster.dashboard_cli import add_dashboard_parser, main
-from pagedray.cluster.grafana_dashboard import build_dashboard, dashboard_json
+from pagedray.cli.dashboard import add_dashboard_parser, main
+from pagedray.observability.grafana_dashboard import build_dashboard, dashboard_json
 
 TOKEN = "glsa_test_token"
 
@@ -136,11 +136,11 @@ def test_write(tmp_path: Path) -> None:
 
 
 def test_pagedray_cli_dashboard_command(grafana: FakeGrafana) -> None:
-    from pagedray.cluster import cli
+    from pagedray.cli import main as cli
 
     try:
         code = cli.main(["dashboard", "push", "--grafana-url", grafana.url, "--token", TOKEN])
     except SystemExit:  # argparse: "invalid choice: 'dashboard'"
-        pytest.skip("cluster/cli.py does not add `dashboard` yet (add_dashboard_parser)")
+        pytest.skip("pagedray/cli/main.py does not add `dashboard` yet (add_dashboard_parser)")
     assert code == 0
     assert len(grafana.requests) == 1

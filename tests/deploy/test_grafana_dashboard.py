@@ -11,8 +11,8 @@ import promql_parser
 import pytest
 import yaml
 
-from pagedray.cluster import grafana_dashboard
-from pagedray.cluster.grafana_dashboard import (
+from pagedray.observability import grafana_dashboard
+from pagedray.observability.grafana_dashboard import (
     COUNTERS,
     GAUGES,
     HISTOGRAM_SUFFIXES,
@@ -24,7 +24,7 @@ from pagedray.cluster.grafana_dashboard import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-REGENERATE = "run `python -m pagedray.cluster.grafana_dashboard` from the repository root"
+REGENERATE = "run `python -m pagedray.observability.grafana_dashboard` from the repository root"
 # Grafana's variables, replaced by what Grafana would send so the Prometheus parser accepts them.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*", "$job": ".*"}
 LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+), (?P<label>\w+)\)$")

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from _subprocesses import free_port, get_ok, pagedray_serve, stop, wait_for
 
-from pagedray.cluster.grafana_dashboard import METRIC_NAMES, promql_expressions
+from pagedray.observability.grafana_dashboard import METRIC_NAMES, promql_expressions
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"

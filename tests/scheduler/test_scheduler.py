@@ -254,7 +254,7 @@ def assert_all_free(scheduler: Scheduler) -> None:
     kv.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
     assert not kv.req_to_blocks and not scheduler.requests and not scheduler.children
-    assert not scheduler._queue_keys and not scheduler._num_tokens_sent  # nothing leaks
+    assert not scheduler._queue_keys and not scheduler.worker_view.num_tokens_sent  # nothing leaks
 
 
 # ---- continuous batching --------------------------------------------------------------------

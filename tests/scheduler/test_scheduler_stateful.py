@@ -180,7 +180,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.kv.num_free_blocks == self.kv.num_blocks, "blocks leaked"
         assert not self.kv.req_to_blocks and not self.kv.req_to_block_hashes
         assert not self.scheduler.requests and not self.scheduler.children
-        assert not self.scheduler._queue_keys and not self.scheduler._num_tokens_sent
+        assert not self.scheduler._queue_keys and not self.scheduler.worker_view.num_tokens_sent
         for req_id, request in self.requests.items():
             want = reference_outputs(
                 request.prompt_token_ids,

@@ -1,0 +1,1 @@
+"""The `pagedray` command: `serve`, `generate` and `dashboard`."""

@@ -1,0 +1,253 @@
+"""`pagedray serve`: the OpenAI-compatible server on a local Ray, or on a running Ray cluster.
+
+Kept apart from `cli.py` so offline use never imports Ray Serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import typing
+from pathlib import Path
+from typing import Any
+
+APP_NAME = "pagedray"
+API_KEY_ENV = "PAGEDRAY_API_KEY"
+# As `ingress_guard.DEFAULT_MAX_REQUEST_BODY_BYTES` (not imported: it would import Starlette).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# As deploy/ (`ray start --metrics-export-port=8080`), so deploy/prometheus/ scrapes either.
+DEFAULT_METRICS_EXPORT_PORT = 8080
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def add_serve_parser(commands: Any) -> None:
+    """Register the `serve` subcommand (called by `cli.main`)."""
+    from pagedray.cli.main import add_engine_args
+    from pagedray.engine.config import EngineConfig
+
+    dispatch = EngineConfig.model_fields["dispatch"]
+
+    parser = commands.add_parser("serve", help="serve the OpenAI API over HTTP with Ray Serve")
+    add_engine_args(parser)
+    parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
+    parser.add_argument("--num-replicas", type=int, default=1, help="engines (each a TP group)")
+    parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this")
+    parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this")
+    parser.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get 503 (default: 2 x max-num-seqs, "
+        "at most the KV blocks)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is aborted with 504 (default 600; 0: none)",
+    )
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--dispatch",
+        default=dispatch.default,
+        choices=list(typing.get_args(dispatch.annotation)),
+        help="how each step reaches the worker actors",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="streamed responses send a chunk every N tokens (default 1: every token)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the API's address")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"required of clients on every route but /health (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--api-key-file", default=None, help="read the API key from this file (stripped)"
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help=f"413 for larger bodies (default {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster to join ('auto'); default: start a local one"
+    )
+    parser.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=DEFAULT_METRICS_EXPORT_PORT,
+        help="the local Ray's Prometheus endpoint (a joined cluster keeps its `ray start` port)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=None,
+        help="where the local Ray's metrics port and dashboard listen (default: --host); "
+        "a loopback address keeps every Ray port on loopback",
+    )
+    parser.set_defaults(func=run_serve)
+
+
+def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The `build_app` arguments for parsed `serve` flags (None = the default)."""
+    from pagedray.cli.main import engine_kwargs
+
+    app_args: dict[str, Any] = {
+        "model": args.model,
+        **engine_kwargs(args),
+        "served_model_name": args.served_model_name,
+        "max_num_waiting": args.max_num_waiting,
+        "request_timeout_s": args.request_timeout,
+        "num_threads": args.num_threads,
+        "device": args.device,
+        "dispatch": args.dispatch,
+        "stream_interval": args.stream_interval,
+        "num_replicas": args.num_replicas,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        **_api_key_args(args),
+    }
+    return {key: value for key, value in app_args.items() if value is not None}
+
+
+def _api_key_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--api-key or --api-key-file, else $PAGEDRAY_API_KEY: the file or the environment keep the
+    key out of the process's command line."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("pagedray: give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        return {"api_key_file": args.api_key_file}
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return {"api_key": key} if key else {}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start (or join) Ray, deploy, print the URL, and serve until Ctrl-C or SIGTERM."""
+    app_args = serve_app_args(args)
+    local = args.address is None and not os.environ.get("RAY_ADDRESS")
+    if local and _is_loopback(args.metrics_host or args.host):
+        _keep_ray_on_loopback()
+    import ray
+    from ray import serve
+
+    from pagedray.cluster.openai_app import build_app
+    from pagedray.tools.default_model import default_model_path
+
+    app_args.setdefault("model", str(default_model_path()))
+    # The name clients must send as `model` (also listed by GET /v1/models).
+    model_name = app_args.get("served_model_name") or Path(app_args["model"]).name
+    if local:
+        _check_port_free(args.metrics_export_port, "--metrics-export-port")
+    stop = threading.Event()
+    serving = False
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if not serving:  # still starting: interrupt that; `finally` shuts down what started
+            raise KeyboardInterrupt
+
+    try:
+        _start_ray(ray, args, local)
+        # NOTE: right after Ray starts (it installs its own SIGTERM handler, which aborts the
+        # process), and before deploying: a signal then stops the deployment and cleans up.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, on_signal)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+        serving = True
+        url = f"http://{args.host}:{args.port}/v1"
+        print(f"pagedray: serving the OpenAI API at {url} (model {model_name!r})", flush=True)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        print("pagedray: interrupted while starting", flush=True)
+    finally:
+        _shut_down(local)
+    return 0
+
+
+def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
+    """A local single-node Ray listening where --metrics-host says, or the cluster to join."""
+    if not local:
+        ray.init(address=args.address)
+        return
+    engines = args.max_replicas or args.num_replicas
+    num_cpus = engines * (1 + args.tensor_parallel_size) + 1  # + the ingress
+    metrics_host = args.metrics_host or args.host
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, num_cpus),
+        include_dashboard=True,
+        dashboard_host=metrics_host,
+        _metrics_export_port=args.metrics_export_port,
+        **_bind_ray_to(metrics_host),
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _keep_ray_on_loopback() -> None:
+    """Make the local Ray take 127.0.0.1 as its node address, so its metrics export port (and
+    its GCS, raylet and worker ports) listen on loopback only.
+
+    NOTE: Ray 2.60 binds the metrics export port to loopback only when the node address is a
+    loopback one, and turns a loopback `_node_ip_address` into the machine's address unless
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` is off (a single-node Ray: what a local one is). The
+    variable is read when Ray is imported, and children inherit it; a Ray imported already
+    (tests) has its module constant set to match.
+    """
+    os.environ[RAY_CLUSTER_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def _bind_ray_to(host: str) -> dict[str, Any]:
+    """`ray.init` arguments for a node address of `host` (its metrics port then listens on all
+    interfaces: Ray binds it either to loopback or to every address, never to one given)."""
+    if _is_loopback(host) or host in ("", "0.0.0.0", "::"):
+        return {}
+    return {"_node_ip_address": host}
+
+
+def _check_port_free(port: int, flag: str) -> None:
+    """Fail fast: Ray given a busy metrics port only times out starting, 30 s later."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            raise SystemExit(f"pagedray: {flag} {port} is not free ({exc.strerror})") from None
+
+
+def _shut_down(local: bool) -> None:
+    """Remove our app; stop Serve unless other apps still run there; disconnect from Ray."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():  # interrupted before Ray started: nothing to stop
+        print("pagedray: stopped", flush=True)
+        return
+    try:
+        if serve.status().applications.get(APP_NAME) is not None:
+            serve.delete(APP_NAME)
+        if local or not serve.status().applications:
+            serve.shutdown()
+    except Exception as exc:  # noqa: BLE001 - still disconnect from Ray below
+        print(f"pagedray: shutting down Serve failed: {exc}", flush=True)
+    finally:
+        ray.shutdown()
+    print("pagedray: stopped", flush=True)

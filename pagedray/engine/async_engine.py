@@ -1,0 +1,387 @@
+"""The engine core driven from asyncio: many concurrent requests, one continuous-batching loop.
+
+`EngineCore` is synchronous and not thread-safe, so every call into it happens on the event loop
+while no step is in flight; only `step()` itself runs in a thread, which keeps the loop free to
+accept requests, aborts and health checks while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from pagedray.engine.admission import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    Admission,
+    EngineOverloadedError,
+    WaitingRequest,
+    default_max_num_waiting,
+)
+from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
+from pagedray.engine.step_metrics import StepMetricsRecorder
+from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs, usage_of
+from pagedray.scheduler.engine_core import EngineCore
+from pagedray.scheduler.request import EngineRequest, RequestStatus
+from pagedray.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
+    from pagedray.cluster.metrics import EngineMetrics
+
+# A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
+DEFAULT_STUCK_AFTER_S = 120.0
+# NOTE: Ray drops a gauge not recorded again within two metrics export intervals (20 s by
+# default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
+METRICS_REFRESH_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step raised); no request can be served by this engine."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request alone with an error (e.g. its sampling failed)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingRequest:
+    engine_request: EngineRequest
+    prompt: str | None
+
+
+class AsyncEngine:
+    """Owns an `EngineCore` and its `OutputProcessor`; fans step outputs out to request streams."""
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        output_processor: OutputProcessor,
+        stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+        metrics: EngineMetrics | None = None,
+        request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> None:
+        """`metrics`, when given, is recorded every step and at every request's finish;
+        `request_timeout_s` None lets requests run as long as they need."""
+        self.engine = engine
+        self.output_processor = output_processor
+        self.stuck_after_s = stuck_after_s
+        self.metrics = metrics
+        self._recorder = StepMetricsRecorder(metrics)
+        config = engine.scheduler.config
+        max_num_waiting = config.max_num_waiting or default_max_num_waiting(
+            config.max_num_seqs, engine.scheduler.kv_cache_manager.num_blocks
+        )
+        self.admission = Admission(
+            max_num_waiting, request_timeout_s, by_priority=config.policy == "priority"
+        )
+        self._streams: dict[str, asyncio.Queue[RequestStepOutput | BaseException]] = {}
+        self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
+        self._pending_aborts: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._step_started: float | None = None  # time.monotonic() while a step is in flight
+        self._error: BaseException | None = None
+        self._stats = self.engine.stats()  # a snapshot, refreshed only while no step runs
+
+    def start(self) -> None:
+        """Start the loop on the running event loop (idempotent)."""
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestStepOutput]:
+        """Queue a validated request; returns its stream of per-step outputs.
+
+        Closing or cancelling the stream before it finishes aborts the request.
+
+        Raises:
+            EngineDeadError: the loop has stopped.
+            EngineOverloadedError: the waiting queue is full.
+            ValueError: `request_id` is already in use, or the request exceeds the engine's
+                limits (prompt longer than the pool allows, n above max_num_seqs).
+        """
+        self.start()
+        self._raise_if_dead()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        # Refused here, before the caller answers 200, rather than failing once queued.
+        self.engine.scheduler.check_limits(len(prompt_token_ids), params.n)
+        displaced = self.admission.admit(self._num_waiting(), priority, self._not_started)
+        if displaced is not None:
+            self._fail(
+                displaced,
+                EngineOverloadedError(
+                    "the waiting queue is full and this request gave way to one of better "
+                    "priority; retry later"
+                ),
+            )
+            self._abort_accepted(displaced)
+        engine_request = EngineRequest(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            arrival_time=time.time(),  # now, not when the step in flight ends
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        self._pending[request_id] = _PendingRequest(engine_request, prompt)
+        queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self.admission.track(request_id, self._streams, len(self._streams))
+        self._wake()
+        return self._stream(request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        if self._streams.pop(request_id, None) is not None:
+            self._abort_accepted(request_id)
+
+    def _abort_accepted(self, request_id: str) -> None:
+        """Drop an accepted request whose stream is gone: unqueue it, or abort it in the engine."""
+        if self._pending.pop(request_id, None) is not None:
+            return
+        self._pending_aborts.add(request_id)
+        self._wake()
+
+    def health(self) -> dict[str, Any]:
+        """`healthy` only while the loop is alive and no step has been running too long;
+        `degraded` while the waiting queue is full or a request was refused lately."""
+        self._check_workers()
+        error = None
+        if self._error is not None:
+            error = f"engine loop died: {self._error!r}"
+        elif self._task is not None and self._task.done():
+            error = "engine loop stopped"
+        elif self._step_started is not None:
+            running_for = time.monotonic() - self._step_started
+            if running_for > self.stuck_after_s:
+                error = f"engine step has been running for {running_for:.1f}s (stuck)"
+        return {
+            "healthy": error is None,
+            "degraded": error is None and self.admission.degraded(self._num_waiting()),
+            "error": error,
+            "num_steps": self.engine.num_steps,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        if self._step_started is None:
+            self._stats = self.engine.stats()
+        return {
+            **self._stats,
+            "num_requests": len(self._streams),
+            "num_pending": len(self._pending),
+            "max_num_waiting": self.admission.max_num_waiting,
+            "max_model_len": self.engine.scheduler.max_model_len,
+            "last_step_duration": self.engine.last_step_duration,
+            "last_batch_size": self.engine.last_batch_size,
+            "healthy": self.health()["healthy"],
+        }
+
+    async def shutdown(self) -> None:
+        """Stop the loop and fail what is still in flight."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                self._expire_deadlines()
+                self._apply_pending()
+                self._recorder.stats(self._stats)
+                if not self.engine.has_unfinished_requests():
+                    self._recorder.idle()
+                    self._wakeup.clear()
+                    await self._wait_for_work()
+                    continue
+                num_steps = self.engine.num_steps
+                self._step_started = time.monotonic()
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                finally:
+                    self._step_started = None
+                deltas, stopped = self.output_processor.process(outputs)
+                if stopped:
+                    self.engine.stop_requests(stopped)
+                self._stats = self.engine.stats()
+                if self.engine.num_steps > num_steps:
+                    self._recorder.step(self.engine, len(outputs))
+                self._publish(deltas)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until woken; with metrics, at most `METRICS_REFRESH_S` (gauges stay exported)."""
+        assert self._wakeup is not None
+        if self.metrics is None:
+            await self._wakeup.wait()
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), METRICS_REFRESH_S)
+
+    def _expire_deadlines(self) -> None:
+        """Abort every request past its deadline and fail its stream with a timeout."""
+        for request_id in self.admission.expired(self._streams):
+            self._fail(request_id, self.admission.timeout_error())
+            self._abort_accepted(request_id)
+
+    def _apply_pending(self) -> None:
+        """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
+        if self._pending_aborts:
+            aborts, self._pending_aborts = list(self._pending_aborts), set()
+            self.engine.abort_requests(aborts)
+            for request_id in aborts:
+                self._recorder.aborted(request_id, self.output_processor.requests.get(request_id))
+                self.output_processor.abort(request_id)
+        pending, self._pending = list(self._pending.values()), {}
+        for item in pending:
+            request = item.engine_request
+            try:
+                self.engine.add_request(request)
+            except OverflowError as exc:
+                self._fail(request.req_id, EngineOverloadedError(str(exc)))
+                continue
+            except ValueError as exc:
+                self._fail(request.req_id, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own
+                logger.exception("request %s could not be queued", request.req_id)
+                self._fail(request.req_id, exc)
+                continue
+            state = self.output_processor.add_request(
+                request.req_id, item.prompt, request.prompt_token_ids, request.sampling_params
+            )
+            state.arrival_time = request.arrival_time
+            self._recorder.admitted(self.engine.scheduler.requests[request.req_id])
+        self._stats = self.engine.stats()
+
+    def _publish(self, deltas: list[ChoiceDelta]) -> None:
+        by_request: dict[str, list[ChoiceDelta]] = {}
+        for delta in deltas:
+            by_request.setdefault(delta.request_id, []).append(delta)
+        for request_id, request_deltas in by_request.items():
+            state = self.output_processor.requests.get(request_id)
+            if state is None:
+                continue
+            if state.error is not None:  # no success: counted like an abort
+                self._recorder.aborted(request_id, self.output_processor.requests.pop(request_id))
+                self._fail(request_id, RequestFailedError(*state.error))
+                continue
+            output = RequestStepOutput(request_id, request_deltas)
+            if state.finished:
+                self.output_processor.requests.pop(request_id)
+                output.finished = True
+                output.usage = usage_of(state)
+                output.metrics = {
+                    "arrival_time": state.arrival_time,
+                    "first_token_time": state.first_token_time or 0.0,
+                    "finish_time": state.finish_time or 0.0,
+                }
+                self._recorder.finished(state)
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finished:
+                    del self._streams[request_id]
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        queue = self._streams.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._pending.clear()
+        self._recorder.clear()
+        for request_id in list(self._streams):
+            self.output_processor.abort(request_id)
+            self._fail(request_id, exc)
+
+    def _check_workers(self) -> None:
+        """Between steps, an executor that can tell (`dead_rank`) is asked whether a rank died:
+        the engine is then dead at once, its requests failed, rather than at the next step."""
+        dead_rank = getattr(self.engine.executor, "dead_rank", None)
+        if self._error is not None or self._step_started is not None or dead_rank is None:
+            return
+        rank = dead_rank()
+        if rank is not None:
+            self._error = RuntimeError(f"worker rank {rank} exited")
+            self._fail_all(EngineDeadError(f"engine lost a worker: rank {rank} exited"))
+            if self._task is not None:
+                self._task.cancel()
+
+    def _not_started(self) -> list[WaitingRequest]:
+        """Accepted requests that have not run yet: queued here, or waiting in the scheduler
+        never admitted (a preempted one has streamed tokens: it keeps its place)."""
+        waiting = [
+            WaitingRequest(item.engine_request.priority, item.engine_request.arrival_time, rid)
+            for rid, item in self._pending.items()
+        ]
+        # NOTE: a step may be in flight; list() copies the queue in one go (the GIL holds), and
+        # a request admitted meanwhile that is then picked is aborted like any other.
+        for req in list(self.engine.scheduler.waiting):
+            live = req.req_id in self._streams and req.req_id not in self._pending_aborts
+            if req.status is RequestStatus.WAITING and live:
+                waiting.append(WaitingRequest(req.priority, req.arrival_time, req.req_id))
+        return waiting
+
+    def _num_waiting(self) -> int:
+        return int(self._stats["num_waiting"]) + len(self._pending)
+
+    def _raise_if_dead(self) -> None:
+        # A stuck step is reported by health(), but requests still queue behind it.
+        if self._error is not None or (self._task is not None and self._task.done()):
+            raise EngineDeadError(self.health()["error"] or "engine loop stopped")
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestStepOutput | BaseException]
+    ) -> AsyncIterator[RequestStepOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                # A reader that fell behind gets what piled up as one output, not many.
+                batch = [item]
+                while not batch[-1].finished and not queue.empty():
+                    queued = queue.get_nowait()
+                    if isinstance(queued, BaseException):
+                        queue.put_nowait(queued)  # raised on the next turn, after this batch
+                        break
+                    batch.append(queued)
+                finished = batch[-1].finished
+                yield batch[0] if len(batch) == 1 else merge_step_outputs(batch)
+        finally:
+            if not finished:
+                self.abort(request_id)

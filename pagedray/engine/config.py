@@ -1,0 +1,97 @@
+"""The one frozen config tree, built at the edge (CLI, `LLM`, Serve app) and passed down.
+
+Values learned at run time (how many KV blocks fit) are never written back here; the executor
+returns them and the scheduler is built with them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedray.scheduler.config import SchedulerConfig
+from pagedray.workers.model_config import ModelConfig
+from pagedray.workers.worker_config import WorkerConfig
+
+# Weight and activation dtypes; "auto" is the checkpoint's own.
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EngineConfig(BaseModel):
+    """Everything one engine (a scheduler and its tensor-parallel workers) is built from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: str  # HF checkpoint directory
+    tokenizer: str | None = None  # defaults to the model directory
+    served_model_name: str | None = None  # the name clients use; defaults to the directory name
+    tensor_parallel_size: int = Field(1, ge=1)
+    block_size: int = Field(16, ge=1, le=256)
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)  # None = the model's maximum
+    num_kv_blocks: int | None = Field(None, ge=1)  # None = sized from memory
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    dtype: DType = "auto"
+    seed: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Serving: beyond this many waiting requests new ones are refused (503); None = sized from
+    # max_num_seqs and the KV pool (see admission.default_max_num_waiting). Offline `LLM`
+    # queues without bound.
+    max_num_waiting: int | None = Field(None, ge=1)
+    # Serving: a request still unfinished this many seconds after it arrived is aborted (504)
+    # and its KV blocks freed; 0 = no deadline.
+    request_timeout_s: float = Field(600.0, ge=0)
+    num_threads: int | None = Field(None, ge=1)  # torch threads per worker on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    use_ray_workers: bool = False  # run even a single rank as a Ray actor (the serving path)
+    # How a step reaches the worker actors: named pipes on the node, a Ray Compiled Graph, or
+    # plain actor calls (see cluster/ray_executor.py).
+    dispatch: Literal["actor", "compiled", "pipe"] = "pipe"
+    # A streamed request gets a message once this many tokens have accumulated (the first token
+    # and the finish at once), as vLLM's --stream-interval: fewer, larger messages through Serve.
+    stream_interval: int = Field(1, ge=1)
+
+    def resolved_max_model_len(self) -> int:
+        """The model's context limit, lowered by `max_model_len` and any sliding window."""
+        model_config = ModelConfig.from_pretrained(self.model, self.dtype)
+        limit = model_config.max_position_embeddings
+        if model_config.sliding_window is not None:
+            limit = min(limit, model_config.sliding_window)
+        if self.max_model_len is not None:
+            if self.max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len: {self.max_model_len} exceeds the model's limit of {limit}"
+                )
+            limit = self.max_model_len
+        return limit
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            policy=self.scheduling_policy,
+            max_num_waiting=self.max_num_waiting,
+        )
+
+    def worker_config(self, max_model_len: int) -> WorkerConfig:
+        return WorkerConfig(
+            model=self.model,
+            dtype=self.dtype,
+            tensor_parallel_size=self.tensor_parallel_size,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_gb=self.kv_cache_memory_gb,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            seed=self.seed,
+            num_threads=self.num_threads,
+            device=self.device,
+        )

@@ -1,0 +1,167 @@
+"""The offline Python API, shaped like vLLM's `LLM` so users can switch by changing an import."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from pagedray.engine.config import DType, EngineConfig
+from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.prompts import as_prompt_list
+from pagedray.scheduler.outputs import RequestOutput
+from pagedray.scheduler.request import EngineRequest
+from pagedray.scheduler.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
+
+
+class LLM:
+    """An engine in this process: a scheduler and its workers, driven to completion per call.
+
+    At `tensor_parallel_size > 1` the workers are Ray actors (started on a local Ray if none
+    is running); at 1 the worker runs in this process.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float | None = None,
+        dtype: DType = "auto",
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        if model is None:
+            from pagedray.tools.default_model import default_model_path
+
+            model = str(default_model_path())
+        self.config = EngineConfig(
+            model=str(model),
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb,
+            dtype=dtype,
+            seed=seed,
+            **kwargs,
+        )
+        from pagedray.engine.engine_factory import build_engine
+
+        self.engine, self.executor, self.tokenizer, self.validator = build_engine(self.config)
+        # Nothing streams out of `generate`: text is decoded once per output, at its end.
+        self.output_processor = OutputProcessor(self.tokenizer, stream_text=False)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt dict may carry "cache_salt" to isolate its prefix-cache entries; `priority`
+        (lower first) matters when the engine runs with scheduling_policy="priority".
+
+        Raises:
+            ValueError: a prompt or parameter is invalid; nothing was queued.
+        """
+        prompt_list = as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
+                )
+        # Validate everything before queueing anything, so a bad prompt allocates nothing.
+        validated = [self.validator.validate(p, sp) for p, sp in zip(prompt_list, params_list)]
+        priorities = list(priority) if priority is not None else [0] * len(validated)
+        if len(priorities) != len(validated):
+            raise ValueError(f"priority: got {len(priorities)} for {len(validated)} prompts")
+        request_ids = [str(next(self._request_counter)) for _ in validated]
+        for request_id, prompt, params, prio in zip(
+            request_ids, validated, params_list, priorities
+        ):
+            self.engine.add_request(
+                EngineRequest(
+                    request_id,
+                    prompt.token_ids,
+                    params,
+                    priority=prio,
+                    cache_salt=prompt.cache_salt,
+                )
+            )
+            self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
+        try:
+            self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(request_ids)
+            for request_id in request_ids:
+                self.output_processor.abort(request_id)
+            raise
+        return [self.output_processor.requests.pop(rid).to_output() for rid in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations: list[list[dict[str, str]]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[assignment]
+        )
+        prompts = [
+            {"prompt_token_ids": self.validator.chat_prompt_token_ids(conversation)}
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, float]:
+        """KV pool, prefix cache (in tokens), preemption and batch-size statistics."""
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
+        pending = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        start, num_output_tokens = time.perf_counter(), 0
+        while pending:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("engine stopped with requests unfinished")
+            outputs = self.engine.step()
+            deltas, stopped = self.output_processor.process(outputs)
+            if stopped:
+                self.engine.stop_requests(stopped)
+            num_output_tokens += sum(len(d.token_ids) for d in deltas)
+            for request_id in {d.request_id for d in deltas if d.finish_reason}:
+                state = self.output_processor.requests[request_id]
+                if request_id in pending and state.finished:
+                    pending.discard(request_id)
+                    bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} toks/s")
+        bar.close()

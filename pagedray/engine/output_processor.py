@@ -1,0 +1,240 @@
+"""Front-end bookkeeping per request: text, stop strings, logprobs, usage and timing.
+
+The engine core reports token ids per sequence; this turns them into per-choice text deltas and
+`RequestOutput`s, and reports sequences whose stop string appeared so the engine can free them
+within the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedray.engine.detokenizer import IncrementalDetokenizer
+from pagedray.scheduler.messages import RequestError
+from pagedray.scheduler.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from pagedray.scheduler.request import child_req_id
+from pagedray.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class ChoiceDelta:
+    """What one step added to one choice: the unit a streaming response sends."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    # With prompt_logprobs: on a choice's first delta, per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class _Choice:
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+    num_streamed_chars: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    sent_prompt_logprobs: bool = False
+
+
+class RequestState:
+    """One client request and its n choices."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.choices = [
+            _Choice(
+                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for _ in range(params.n)
+        ]
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.error: RequestError | None = None  # set when the engine ended it with an error
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finish_reason is not None for choice in self.choices)
+
+    def seq_id(self, index: int) -> str:
+        return self.request_id if self.params.n == 1 else child_req_id(self.request_id, index)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=i,
+                    text=c.text,
+                    token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason,
+                    logprobs=c.logprobs,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(self.choices)
+            ],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+            error=self.error[1] if self.error is not None else None,
+            metrics={
+                "arrival_time": self.arrival_time,
+                "first_token_time": self.first_token_time or 0.0,
+                "finish_time": self.finish_time or 0.0,
+            },
+        )
+
+
+class OutputProcessor:
+    """All live requests' front-end state."""
+
+    def __init__(self, tokenizer: Any, stream_text: bool = True) -> None:
+        """`stream_text=False` (the offline `LLM`): text is decoded once, when a choice ends,
+        unless stop strings must be searched as tokens arrive."""
+        self.tokenizer = tokenizer
+        self.stream_text = stream_text
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> RequestState:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        self.requests[request_id] = state
+        return state
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[ChoiceDelta], list[str]]:
+        """Apply one step's outputs. Returns the deltas and the sequence ids a stop string ended."""
+        deltas: list[ChoiceDelta] = []
+        stopped: list[str] = []
+        now = time.time()
+        for out in outputs:
+            state = self.requests.get(out.req_id)
+            if state is None:
+                continue
+            state.first_token_time = state.first_token_time or now
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [
+                    None if entry is None else dict(zip(entry[0], entry[1]))
+                    for entry in out.prompt_logprobs
+                ]
+            if out.error is not None:
+                deltas.append(self._fail(state, out.error))
+                state.finish_time = now
+                continue
+            choice = state.choices[out.choice_index]
+            if choice.finish_reason is not None:
+                continue
+            if self._update_choice(state, choice, out):
+                stopped.append(state.seq_id(out.choice_index))
+            deltas.append(self._delta(state, out.choice_index, out))
+            if state.finished:
+                state.finish_time = now
+        return deltas, stopped
+
+    @staticmethod
+    def _fail(state: RequestState, error: RequestError) -> ChoiceDelta:
+        """End every unfinished choice with "error"; one delta carries it to the stream."""
+        state.error = error
+        for choice in state.choices:
+            choice.finish_reason = choice.finish_reason or "error"
+        return ChoiceDelta(state.request_id, 0, "", [], None, "error", None)
+
+    def _update_choice(self, state: RequestState, choice: _Choice, out: EngineCoreOutput) -> bool:
+        """Returns True when a stop string ended the choice (the engine must be told)."""
+        params = state.params
+        choice.token_ids.extend(out.new_token_ids)
+        if choice.logprobs is not None and out.new_logprobs:
+            for ids, logprobs, _rank in out.new_logprobs:
+                choice.logprobs.append(dict(zip(ids, logprobs)))
+        if self.stream_text or params.stop:
+            new_text = choice.detokenizer.push(out.new_token_ids)
+        else:
+            choice.detokenizer.append(out.new_token_ids)
+            new_text = ""
+        if params.stop and self._find_stop_string(choice, new_text, params):
+            return True
+        choice.text += new_text
+        if out.finish_reason is not None:
+            choice.finish_reason = out.finish_reason
+            last = choice.token_ids[-1]
+            stopped_by_token = out.finish_reason == "stop"
+            if stopped_by_token and last in params.stop_token_ids:
+                choice.stop_reason = last
+            drop = 1 if stopped_by_token and not params.include_stop_str_in_output else 0
+            choice.text = choice.detokenizer.full_text(drop_last=drop)
+        return False
+
+    @staticmethod
+    def _find_stop_string(choice: _Choice, new_text: str, params: SamplingParams) -> bool:
+        # A stop string may span tokens: search from just before the new text.
+        longest = max(len(s) for s in params.stop)
+        start = max(0, len(choice.text) - longest + 1)
+        text = choice.text + new_text
+        hits = [(text.find(s, start), s) for s in params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        choice.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+        choice.finish_reason = "stop"
+        choice.stop_reason = stop
+        return True
+
+    def _delta(self, state: RequestState, index: int, out: EngineCoreOutput) -> ChoiceDelta:
+        choice = state.choices[index]
+        # Hold back a possible stop string's prefix until it is decided.
+        hold = (
+            0 if choice.finish_reason else max((len(s) for s in state.params.stop), default=1) - 1
+        )
+        end = max(choice.num_streamed_chars, len(choice.text) - hold)
+        text = choice.text[choice.num_streamed_chars : end]
+        choice.num_streamed_chars = end
+        logprobs = None
+        if choice.logprobs is not None:
+            logprobs = choice.logprobs[len(choice.logprobs) - len(out.new_token_ids) :]
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
+            prompt_logprobs = state.prompt_logprobs
+            choice.sent_prompt_logprobs = True
+        return ChoiceDelta(
+            request_id=state.request_id,
+            index=index,
+            text=text,
+            token_ids=list(out.new_token_ids),
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            prompt_logprobs=prompt_logprobs,
+        )

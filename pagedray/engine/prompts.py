@@ -1,0 +1,165 @@
+"""Prompt validation and tokenization at the edge: bad input is refused before it is queued.
+
+Shared by the offline `LLM` and the HTTP ingress, so both refuse the same prompts with the same
+"field: message" ValueError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedray.engine.chat_tokens import ChatTokenizer
+from pagedray.engine.prompt_bound import chars_per_token
+from pagedray.engine.unicode_text import has_lone_surrogate
+from pagedray.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ValidatedPrompt:
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None  # per-tenant prefix-cache isolation
+
+
+def as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt or a sequence of them, as a list; raises ValueError naming `prompt`."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise ValueError(
+        "prompt: must be a string, a {'prompt_token_ids': [...]} dict or a list of them, "
+        f"got {type(prompts).__name__}"
+    )
+
+
+def check_text(field: str, text: Any) -> str:
+    """A string that every tokenizer and hash can take (no lone surrogates)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field}: must be a string, got {type(text).__name__}")
+    if has_lone_surrogate(text):
+        raise ValueError(f"{field}: contains a lone surrogate (invalid Unicode)")
+    return text
+
+
+def check_cache_salt(cache_salt: Any) -> str | None:
+    if cache_salt is None:
+        return None
+    check_text("cache_salt", cache_salt)
+    if not cache_salt:
+        raise ValueError("cache_salt: must be a non-empty string")
+    return cache_salt
+
+
+class PromptValidator:
+    """Turns a user prompt into token ids and checks it against the model's limits.
+
+    `max_model_len` may be lowered after construction (the ingress learns the engine's real
+    limit from the engine replicas).
+    """
+
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.chat = ChatTokenizer(tokenizer)
+        self.chars_per_token = chars_per_token(tokenizer)
+
+    def validate(self, prompt: Any, params: SamplingParams) -> ValidatedPrompt:
+        """Tokenize and check a prompt; raises ValueError naming the bad field.
+
+        `prompt` is a string, `{"prompt": str}` or `{"prompt_token_ids": [...]}` (vLLM's text and
+        tokens prompts), each dict optionally with "cache_salt".
+        """
+        self.check_params(params)
+        if isinstance(prompt, str):
+            return ValidatedPrompt(prompt, self._checked(self.encode(prompt)))
+        if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
+            raise ValueError(
+                "prompt: must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                f"got {type(prompt).__name__}"
+            )
+        cache_salt = check_cache_salt(prompt.get("cache_salt"))
+        text = prompt.get("prompt")
+        if text is not None:
+            check_text("prompt", text)
+        if "prompt_token_ids" not in prompt:
+            assert text is not None  # the dict holds "prompt" or "prompt_token_ids", checked above
+            return ValidatedPrompt(text, self._checked(self.encode(text)), cache_salt)
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, (list, tuple)):
+            raise ValueError(
+                f"prompt_token_ids: must be a list of token ids, got {type(token_ids).__name__}"
+            )
+        return ValidatedPrompt(text, self._checked(list(token_ids)), cache_salt)
+
+    def check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            )
+        if params.logit_bias:
+            outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        if params.n > self.max_num_seqs:
+            # Its n sequences could never run together.
+            raise ValueError(f"n: must be at most max_num_seqs={self.max_num_seqs}, got {params.n}")
+
+    def encode(
+        self, text: str, add_special_tokens: bool = True, field: str = "prompt"
+    ) -> list[int]:
+        """A text prompt's token ids, refused unread if it is too long to fit in any case."""
+        check_text(field, text)
+        self.check_length(field, text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_length(self, field: str, text: str) -> None:
+        """Refuse a text longer than `max_model_len` tokens of the longest kind could spell."""
+        if self.chars_per_token is None:
+            return
+        limit = self.max_model_len * self.chars_per_token
+        if len(text) > limit:
+            raise ValueError(
+                f"{field}: {len(text)} characters cannot fit in max_model_len="
+                f"{self.max_model_len} tokens (at most {limit} characters)"
+            )
+
+    def _checked(self, token_ids: list[int]) -> list[int]:
+        self.check_token_ids(token_ids)
+        return token_ids
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens exceed max_model_len={self.max_model_len}"
+            )
+        bad = [t for t in token_ids if not _is_token_id(t) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def chat_prompt_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render a conversation with the chat template and tokenize it, content as text.
+
+        Roles are system/user/assistant/tool and contents strings; a special-token string in a
+        content is tokenized as text, never as the control token it spells.
+        """
+        text = self.chat.render(messages)
+        self.check_length("messages", text)
+        return self.chat.token_ids(messages, text)
+
+
+def _is_token_id(value: Any) -> bool:
+    # NOTE: bool is a subclass of int, but True is not token 1.
+    return isinstance(value, int) and not isinstance(value, bool)

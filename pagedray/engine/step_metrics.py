@@ -1,0 +1,75 @@
+"""Turns the serving loop's events into metric records: a few calls per step and one per
+request at its end, never one per token, since the loop is the engine's hot path."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pagedray.engine.output_processor import RequestState
+from pagedray.scheduler.engine_core import EngineCore
+from pagedray.scheduler.request import Request
+
+if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
+    from pagedray.cluster.metrics import EngineMetrics
+
+
+class StepMetricsRecorder:
+    """Records into an `EngineMetrics`; with none, every call does nothing."""
+
+    def __init__(self, metrics: EngineMetrics | None) -> None:
+        self.metrics = metrics
+        # Scheduler-side state of live requests, kept for their queue time.
+        self._requests: dict[str, Request] = {}
+        self._last_output_time: float | None = None  # time.monotonic() of the last token step
+
+    def stats(self, stats: dict[str, float]) -> None:
+        if self.metrics is not None:
+            self.metrics.record_stats(stats)
+
+    def admitted(self, request: Request) -> None:
+        if self.metrics is not None:
+            self._requests[request.req_id] = request
+
+    def idle(self) -> None:
+        self._last_output_time = None  # an idle gap is no inter-token latency
+
+    def step(self, engine: EngineCore, num_outputs: int) -> None:
+        if self.metrics is None:
+            return
+        # NOTE: one output per sequence that sampled, one token each. One inter-token latency
+        # per step, not per token: every sequence that also got a token in the previous token
+        # step waited this same interval (a step of first tokens only would count one too).
+        inter_token_latency = None
+        if num_outputs:
+            now = engine.last_step_time
+            if self._last_output_time is not None:
+                inter_token_latency = now - self._last_output_time
+            self._last_output_time = now
+        self.metrics.record_step(
+            engine.last_step_duration, engine.last_batch_size, num_outputs, inter_token_latency
+        )
+
+    def finished(self, state: RequestState) -> None:
+        request = self._requests.pop(state.request_id, None)
+        if self.metrics is None:
+            return
+        finish_time = state.finish_time or time.time()
+        self.metrics.record_finished(
+            # NOTE: an n > 1 request counts once, with its first choice's reason.
+            finished_reason=state.choices[0].finish_reason or "unknown",
+            num_prompt_tokens=len(state.prompt_token_ids),
+            arrival_time=state.arrival_time,
+            scheduled_time=request.scheduled_time if request is not None else None,
+            first_token_time=state.first_token_time or finish_time,
+            finish_time=finish_time,
+        )
+
+    def aborted(self, request_id: str, state: RequestState | None) -> None:
+        """A request that ended without success (aborted, failed): its prefill still counts."""
+        self._requests.pop(request_id, None)
+        if self.metrics is not None and state is not None and state.first_token_time is not None:
+            self.metrics.record_prefilled(len(state.prompt_token_ids))
+
+    def clear(self) -> None:
+        self._requests.clear()

@@ -1,0 +1,66 @@
+"""What a serving engine streams for one request each step, and how consecutive ones merge.
+
+Shared by the engine loop (`async_engine.py`), the engine deployment (which holds outputs back
+for `--stream-interval`) and the ingress (which reads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedray.engine.output_processor import ChoiceDelta, RequestState
+
+
+@dataclass
+class RequestStepOutput:
+    """What one engine step produced for one request; the last one carries usage and timing."""
+
+    request_id: str
+    deltas: list[ChoiceDelta] = field(default_factory=list)  # one per choice that advanced
+    finished: bool = False  # every choice has a finish reason
+    usage: dict[str, int] | None = None  # prompt/completion/total/cached tokens, when finished
+    metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
+    error: dict[str, Any] | None = None  # set instead of deltas when the request failed
+
+
+def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
+    """Consecutive outputs of one request as one message, the last's status.
+
+    Each choice's deltas fold into one (text, tokens and logprobs joined in order): a client
+    then gets one chunk per choice for the whole span, as from vLLM's `--stream-interval`.
+    """
+    last = outputs[-1]
+    folded: dict[int, ChoiceDelta] = {}
+    for output in outputs:
+        for delta in output.deltas:
+            earlier = folded.get(delta.index)
+            folded[delta.index] = delta if earlier is None else _join(earlier, delta)
+    return RequestStepOutput(
+        last.request_id, list(folded.values()), last.finished, last.usage, last.metrics, last.error
+    )
+
+
+def _join(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    return dataclasses.replace(
+        later,
+        text=earlier.text + later.text,
+        token_ids=earlier.token_ids + later.token_ids,
+        logprobs=logprobs,
+        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
+    )
+
+
+def usage_of(state: RequestState) -> dict[str, int]:
+    prompt_tokens = len(state.prompt_token_ids)
+    completion_tokens = sum(len(choice.token_ids) for choice in state.choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "cached_tokens": state.num_cached_tokens,
+    }

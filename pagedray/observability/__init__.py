@@ -1,0 +1,1 @@
+"""Observability artefacts generated from code: the Grafana dashboard."""

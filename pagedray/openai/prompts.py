@@ -1,0 +1,73 @@
+"""OpenAI request bodies to validated engine prompts: the tokenizer-side work of each route.
+
+Plain functions of the `PromptValidator`, Ray-free; the ingress runs them in its tokenizer
+threads, since decoding a body and tokenizing its prompts can take long for a large body.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from pagedray.engine.prompts import PromptValidator, ValidatedPrompt
+from pagedray.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedray.openai.request_body import parse_json_body
+from pagedray.scheduler.sampling_params import SamplingParams
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def decode_body(raw: bytes, model: type[RequestT]) -> RequestT:
+    """Raises BodyError (not JSON, too deep, lone surrogates) or pydantic's ValidationError."""
+    return model.model_validate(parse_json_body(raw))
+
+
+def completion_prompts(
+    validator: PromptValidator, body: CompletionRequest
+) -> tuple[SamplingParams, list[ValidatedPrompt], list[str] | None]:
+    """Sampling parameters, each validated prompt, and with `echo` each prompt's text."""
+    params = body.to_sampling_params()
+    prompts = []
+    for prompt in body.prompts():
+        key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
+        prompts.append(validator.validate({key: prompt, "cache_salt": body.cache_salt}, params))
+    echo = None
+    if body.echo:
+        decode = validator.tokenizer.decode
+        echo = [p.text if p.text is not None else decode(p.token_ids) for p in prompts]
+    return params, prompts, echo
+
+
+def chat_prompt(
+    validator: PromptValidator, body: ChatCompletionRequest
+) -> tuple[SamplingParams, ValidatedPrompt]:
+    """Sampling parameters and the conversation's validated prompt (content read as text)."""
+    params = body.to_sampling_params()
+    messages = [message.as_template_input() for message in body.messages]
+    token_ids = validator.chat_prompt_token_ids(messages)
+    prompt = {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}
+    return params, validator.validate(prompt, params)
+
+
+def tokenize(validator: PromptValidator, body: TokenizeRequest) -> list[int]:
+    """Token ids of a prompt or a conversation; not refused for being too long (the body limit
+    bounds it), so a client can learn how long it is."""
+    if body.messages is not None:
+        return validator.chat.token_ids([m.as_template_input() for m in body.messages])
+    assert body.prompt is not None
+    return validator.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+
+def detokenize(validator: PromptValidator, body: DetokenizeRequest) -> str:
+    """The text of token ids, each checked against the vocabulary."""
+    vocab_size = validator.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"tokens: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return validator.tokenizer.decode(body.tokens)

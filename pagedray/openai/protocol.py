@@ -1,0 +1,376 @@
+"""OpenAI API request and response models, shaped exactly as the `openai` SDK sends and parses them.
+
+Requests are validated here (pydantic) and turned into `SamplingParams` (which validates ranges),
+so a bad request is answered with a 400 before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from pagedray.scheduler.sampling_params import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+def _bounded(default: Any, **schema: Any) -> Any:
+    """A field whose JSON schema (/openapi.json) states the range `SamplingParams` enforces;
+    the check itself, and its "field: message" error, stay there."""
+    return Field(default, json_schema_extra=schema)
+
+
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_INT32}
+_COUNT = {"minimum": 1, "maximum": MAX_INT32}
+_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}
+_PENALTY = {"minimum": -2.0, "maximum": 2.0}
+
+
+def _prompt_schema(schema: dict[str, Any]) -> None:
+    """A prompt is non-empty: a string, token ids, strings, or lists of token ids."""
+    tokens = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
+    strings = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
+    batches = {"type": "array", "items": tokens, "minItems": 1}
+    schema.clear()
+    schema.update(
+        {"title": "Prompt", "anyOf": [{"type": "string", "minLength": 1}, tokens, strings, batches]}
+    )
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both generation endpoints share: OpenAI's, plus vLLM's sampling extensions."""
+
+    # Unknown fields are ignored, as OpenAI clients send fields that do not change sampling.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = _bounded(1, minimum=1, maximum=MAX_N)
+    temperature: float | None = _bounded(None, minimum=0.0)
+    top_p: float | None = _bounded(None, exclusiveMinimum=0.0, maximum=1.0)
+    top_k: int | None = _bounded(None, minimum=-1, maximum=MAX_INT32)
+    min_p: float | None = _bounded(None, minimum=0.0, maximum=1.0)
+    seed: int | None = _bounded(None, minimum=-(2**63), maximum=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = _bounded(None, items=_TOKEN_ID)
+    presence_penalty: float | None = _bounded(None, **_PENALTY)
+    frequency_penalty: float | None = _bounded(None, **_PENALTY)
+    repetition_penalty: float | None = _bounded(
+        None, minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY
+    )
+    ignore_eos: bool = False
+    min_tokens: int = _bounded(0, minimum=0, maximum=MAX_INT32)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = _bounded(
+        None,
+        propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS,
+            "maximum": MAX_LOGIT_BIAS,
+        },
+    )
+    cache_salt: str | None = _bounded(None, minLength=1)
+    priority: int = 0
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt: must be a non-empty string")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """Raises ValueError "field: message" on an out-of-range value."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_bias(self.logit_bias),
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    bias = {}
+    for key, value in logit_bias.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+    return bias
+
+
+class CompletionRequest(_GenerationRequest):
+    # NOTE: StrictInt keeps ["1", "2"] a list of strings rather than coercing it to token ids.
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
+        json_schema_extra=_prompt_schema
+    )
+    max_tokens: int | None = _bounded(16, **_COUNT)
+    logprobs: int | None = _bounded(None, **_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = _bounded(None, maxLength=0)
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: each a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if not prompt:
+            return [[]]  # refused later as an empty prompt
+        return list(prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        # echo with logprobs: the prompt's tokens get logprobs too, as OpenAI's legacy API does.
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    # As the chat template renders them; any other string could forge a turn.
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = _bounded(None, **_COUNT)
+    max_completion_tokens: int | None = _bounded(None, **_COUNT)
+    logprobs: bool = False
+    top_logprobs: int | None = _bounded(None, **_LOGPROBS)
+    tools: list[dict[str, Any]] | None = _bounded(None, maxItems=0)  # not supported
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's extension: the stop string or token id
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedray"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

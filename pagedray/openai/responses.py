@@ -1,0 +1,277 @@
+"""The four generation answers: completions and chat, each whole or streamed as SSE chunks.
+
+Each reads the merged engine streams of one client request (see `EngineStreams`); an engine error
+becomes an error dict (whole) or an error event followed by `[DONE]` (streamed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+from pagedray.openai.serving import (
+    SSE_DONE,
+    EngineStreams,
+    LogprobFormatter,
+    UsageCounter,
+    sse,
+)
+
+
+@dataclass
+class ResponseContext:
+    """What shapes one client request's answer."""
+
+    request_id: str
+    model: str
+    n: int  # choices per prompt
+    num_prompts: int
+    logprobs: LogprobFormatter
+    num_logprobs: int | None  # top logprobs per token; None = logprobs not requested
+    include_usage: bool = False
+    echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
+    echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * self.num_prompts
+
+    def index(self, prompt_index: int, delta: ChoiceDelta) -> int:
+        return prompt_index * self.n + delta.index
+
+    def echo_text(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def echo_logprobs(self, index: int, delta: ChoiceDelta) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs, once the delta carrying them arrives (echo + logprobs)."""
+        if not self.echo_token_ids or self.num_logprobs is None or not delta.prompt_logprobs:
+            return None
+        token_ids = self.echo_token_ids[index // self.n]
+        return self.logprobs.prompt(token_ids, delta.prompt_logprobs)
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    completion_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    chat_logprobs: list[ChatTokenLogprob] = field(default_factory=list)
+
+
+async def _collect(
+    ctx: ResponseContext, streams: EngineStreams, chat: bool
+) -> tuple[list[_Choice], UsageCounter] | dict[str, Any]:
+    """Run every engine request to the end; returns the choices and usage, or the error."""
+    choices = [_Choice(text=ctx.echo_text(i)) for i in range(ctx.num_choices)]
+    usage = UsageCounter()
+    async with contextlib.aclosing(streams.merged()) as merged:
+        async for prompt_index, output in merged:
+            if output.error is not None:
+                return output.error
+            usage.add(output)
+            for delta in output.deltas:
+                choice = choices[ctx.index(prompt_index, delta)]
+                index = ctx.index(prompt_index, delta)
+                echoed = ctx.echo_logprobs(index, delta)
+                if echoed is not None:  # before the generated tokens, as the text is
+                    choice.completion_logprobs = _joined(echoed, choice.completion_logprobs)
+                if ctx.num_logprobs is not None and chat:
+                    choice.chat_logprobs += ctx.logprobs.chat(delta, ctx.num_logprobs)
+                elif ctx.num_logprobs is not None:
+                    part = ctx.logprobs.completion(delta, len(choice.text))
+                    _extend(choice.completion_logprobs, part)
+                choice.text += delta.text
+                choice.finish_reason = delta.finish_reason
+                choice.stop_reason = delta.stop_reason
+    return choices, usage
+
+
+async def completion_response(
+    ctx: ResponseContext, streams: EngineStreams
+) -> CompletionResponse | dict[str, Any]:
+    collected = await _collect(ctx, streams, chat=False)
+    if isinstance(collected, dict):
+        return collected
+    choices, usage = collected
+    return CompletionResponse(
+        id=ctx.request_id,
+        model=ctx.model,
+        choices=[
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                logprobs=c.completion_logprobs if ctx.num_logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=usage.info(),
+    )
+
+
+async def chat_response(
+    ctx: ResponseContext, streams: EngineStreams
+) -> ChatCompletionResponse | dict[str, Any]:
+    collected = await _collect(ctx, streams, chat=True)
+    if isinstance(collected, dict):
+        return collected
+    choices, usage = collected
+    return ChatCompletionResponse(
+        id=ctx.request_id,
+        model=ctx.model,
+        choices=[
+            ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=(
+                    ChatChoiceLogprobs(content=c.chat_logprobs)
+                    if ctx.num_logprobs is not None
+                    else None
+                ),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=usage.info(),
+    )
+
+
+async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
+    """`text_completion` chunks, then a usage chunk if asked, then `[DONE]`."""
+    offsets = [len(ctx.echo_text(i)) for i in range(ctx.num_choices)]
+    # With logprobs, a choice's echo waits for its first delta, which brings the prompt's.
+    if ctx.echo and ctx.num_logprobs is None:
+        for i in range(ctx.num_choices):
+            choice = CompletionChoice(index=i, text=ctx.echo_text(i))
+            yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
+    async for prompt_index, delta, usage in _deltas(streams):
+        if delta is None:
+            if ctx.include_usage:
+                chunk = CompletionResponse(
+                    id=ctx.request_id, model=ctx.model, choices=[], usage=_info(usage)
+                )
+                yield sse(chunk)
+            break
+        index = ctx.index(prompt_index, delta)
+        echoed = ctx.echo_logprobs(index, delta)
+        if echoed is not None:
+            choice = CompletionChoice(index=index, text=ctx.echo_text(index), logprobs=echoed)
+            yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
+        logprobs = None
+        if ctx.num_logprobs is not None:
+            logprobs = ctx.logprobs.completion(delta, offsets[index])
+        offsets[index] += len(delta.text)
+        if not delta.text and delta.finish_reason is None and logprobs is None:
+            continue
+        choice = CompletionChoice(
+            index=index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
+    yield SSE_DONE
+
+
+async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
+    """A role chunk per choice, content chunks, a usage chunk if asked, then `[DONE]`."""
+
+    def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+        return sse(ChatCompletionChunk(id=ctx.request_id, model=ctx.model, choices=choices))
+
+    for i in range(ctx.num_choices):
+        role = DeltaMessage(role="assistant", content="")
+        yield chunk([ChatCompletionStreamChoice(index=i, delta=role)])
+    async for prompt_index, delta, usage in _deltas(streams):
+        if delta is None:
+            if ctx.include_usage:
+                last = ChatCompletionChunk(
+                    id=ctx.request_id, model=ctx.model, choices=[], usage=_info(usage)
+                )
+                yield sse(last)
+            break
+        logprobs = None
+        if ctx.num_logprobs is not None:
+            logprobs = ChatChoiceLogprobs(content=ctx.logprobs.chat(delta, ctx.num_logprobs))
+        if not delta.text and delta.finish_reason is None and logprobs is None:
+            continue
+        choice = ChatCompletionStreamChoice(
+            index=ctx.index(prompt_index, delta),
+            delta=DeltaMessage(content=delta.text),
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        yield chunk([choice])
+    yield SSE_DONE
+
+
+async def _deltas(
+    streams: EngineStreams,
+) -> AsyncIterator[tuple[int, ChoiceDelta | None, UsageCounter | None]]:
+    """Each delta with its prompt index, then (-1, None, usage); raises `_StreamError`."""
+    usage = UsageCounter()
+    async with contextlib.aclosing(streams.merged()) as merged:
+        async for prompt_index, output in merged:
+            if output.error is not None:
+                # The client already has a 200 and some chunks: the error goes in-band.
+                raise _StreamError(output.error)
+            usage.add(output)
+            for delta in output.deltas:
+                yield prompt_index, delta, None
+    yield -1, None, usage
+
+
+class _StreamError(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error["message"])
+        self.error = error
+
+
+async def with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Turn an engine error raised mid-stream into an OpenAI error event and `[DONE]`."""
+    try:
+        async for text in chunks:
+            yield text
+    except _StreamError as exc:
+        info = {k: exc.error.get(k) for k in ("message", "type", "param")}
+        yield sse({"error": {**info, "code": exc.error["status"]}})
+        yield SSE_DONE
+
+
+def _info(usage: UsageCounter | None) -> UsageInfo:
+    return (usage or UsageCounter()).info()
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    joined = CompletionLogprobs()
+    _extend(joined, first)
+    _extend(joined, then)
+    return joined
+
+
+def _extend(target: CompletionLogprobs, part: CompletionLogprobs) -> None:
+    target.tokens.extend(part.tokens)
+    target.token_logprobs.extend(part.token_logprobs)
+    target.top_logprobs.extend(part.top_logprobs)
+    target.text_offset.extend(part.text_offset)

@@ -1,0 +1,355 @@
+"""Serving helpers: the merged engine streams, usage, logprob formats, SSE framing, error JSON,
+and the middleware that records the ingress's metrics.
+
+One client request may be several engine requests (a batch of completion prompts); their streams
+are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.openai.protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
+    from pagedray.cluster.metrics import IngressMetrics
+
+logger = logging.getLogger("ray.serve.pagedray.ingress")
+# Seconds a client is told to wait after a 503 that names no time of its own.
+DEFAULT_RETRY_AFTER_S = 1
+
+
+class EngineStreams:
+    """The engine-side streams of one client request, opened together and merged."""
+
+    def __init__(self, engine: Any, requests: list[dict[str, Any]]) -> None:
+        streaming = engine.options(stream=True)
+        self.request_ids = [request["request_id"] for request in requests]
+        self.generators = [streaming.generate.remote(request) for request in requests]
+
+    async def open(self) -> dict[str, Any] | None:
+        """Wait until every engine request is accepted; returns the first refusal, if any."""
+        try:
+            firsts = await asyncio.gather(
+                *(gen.__anext__() for gen in self.generators), return_exceptions=True
+            )
+        except BaseException:  # cancelled: the client went away before admission
+            self.close()
+            raise
+        for request_id, first in zip(self.request_ids, firsts):
+            error = _error_of(first, request_id)
+            if error is not None:
+                self.close()
+                return error
+        return None
+
+    async def merged(self) -> AsyncGenerator[tuple[int, RequestStepOutput], None]:
+        """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(index: int, gen: Any) -> None:
+            try:
+                async for item in gen:
+                    await queue.put((index, item))
+            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
+                await queue.put((index, exc))
+            await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.generators)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                error = _error_of(item, self.request_ids[index])
+                yield index, item if error is None else RequestStepOutput("", error=error)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+
+    def close(self) -> None:
+        # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
+        for gen in self.generators:
+            gen.cancel()
+
+
+def _error_of(item: Any, request_id: str) -> dict[str, Any] | None:
+    """The error an engine stream item carries, fit for the client: a raised exception (the
+    replica died, the call failed) or an internal error says only that, with the request id;
+    the detail goes to the log under that id."""
+    if isinstance(item, BaseException):
+        logger.warning("request %s: engine call failed: %r", request_id, item)
+        message = f"engine unavailable (request {request_id})"
+        return {"status": 503, "message": message, "type": "ServiceUnavailableError"}
+    error = item.error
+    if error is not None and error.get("status", 500) >= 500 and error.get("status") != 503:
+        logger.error("request %s: engine error: %s", request_id, error.get("message"))
+        message = f"internal error (request {request_id})"
+        return {**error, "status": 500, "message": message, "type": "InternalServerError"}
+    return error
+
+
+@dataclass
+class UsageCounter:
+    """Usage summed over a request's prompts, from each one's last output."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    num_finished: int = 0
+
+    def add(self, output: RequestStepOutput) -> None:
+        if output.usage is None:
+            return
+        self.num_finished += 1
+        self.prompt_tokens += output.usage["prompt_tokens"]
+        self.completion_tokens += output.usage["completion_tokens"]
+        self.cached_tokens += output.usage["cached_tokens"]
+
+    def info(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+class LogprobFormatter:
+    """Token logprobs in the completions and chat formats (token strings decoded one by one).
+
+    A token that is only part of a UTF-8 character decodes to U+FFFD on its own, so several such
+    tokens would share one string and collide as keys of a completions `top_logprobs` dict.
+    As OpenAI does, they are named by their bytes instead (`bytes:\\xe2\\x80`), and chat's
+    `bytes` field carries the token's real bytes.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_strs: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+
+    def token_str(self, token_id: int) -> str:
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if "\ufffd" in text:
+                raw = self.token_bytes(token_id)
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:  # part of a character: named by its bytes
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_strs[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = _token_bytes(self.tokenizer, token_id)
+            self._token_bytes[token_id] = raw
+        return raw
+
+    def completion(self, delta: ChoiceDelta, text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token_id, entries in zip(delta.token_ids, delta.logprobs or []):
+            token = self.token_str(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entries.get(token_id))
+            result.top_logprobs.append({self.token_str(t): lp for t, lp in entries.items()})
+            result.text_offset.append(text_offset)
+            text_offset += _text_length(token)
+        return result
+
+    def prompt(
+        self, token_ids: list[int], prompt_logprobs: list[dict[int, float] | None]
+    ) -> CompletionLogprobs:
+        """An echoed prompt's tokens: the first has no logprob (nothing precedes it)."""
+        result = CompletionLogprobs()
+        text_offset = 0
+        for token_id, entries in zip(token_ids, prompt_logprobs):
+            token = self.token_str(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None if entries is None else entries.get(token_id))
+            result.top_logprobs.append(
+                None if entries is None else {self.token_str(t): lp for t, lp in entries.items()}
+            )
+            result.text_offset.append(text_offset)
+            text_offset += _text_length(token)
+        return result
+
+    def chat(self, delta: ChoiceDelta, num_top: int) -> list[ChatTokenLogprob]:
+        result = []
+        for token_id, entries in zip(delta.token_ids, delta.logprobs or []):
+            # The entries hold the sampled token and the top k: the best k of them are the top k.
+            top = sorted(entries.items(), key=lambda item: -item[1])[:num_top]
+            result.append(
+                ChatTokenLogprob(
+                    **self._top(token_id, entries.get(token_id, float("-inf"))).model_dump(),
+                    top_logprobs=[self._top(t, lp) for t, lp in top],
+                )
+            )
+        return result
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.token_str(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(self.token_bytes(token_id)))
+
+
+def _text_length(token: str) -> int:
+    """Characters a token adds to the text: a `bytes:` name stands for one U+FFFD there."""
+    return 1 if token.startswith("bytes:") else len(token)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the inverse of bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for: its decoded text where that is whole characters; else
+    read from its piece, SentencePiece byte fallback (`<0xA1>`) or byte-level BPE (GPT-2,
+    Llama 3, Qwen)."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode("utf-8")
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event, as OpenAI frames them."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_response(
+    status: int, message: str, error_type: str = "BadRequestError", param: str | None = None
+) -> JSONResponse:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    error = {"message": message, "type": error_type, "param": param, "code": status}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+def bad_request(exc: Exception) -> JSONResponse:
+    """400 from a pydantic error or a "field: message" ValueError, naming the field as param."""
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        loc = ".".join(str(part) for part in first["loc"])
+        if loc:  # param is the top-level field; the message keeps the full location
+            return error_response(400, f"{loc}: {message}", param=str(first["loc"][0]))
+        return error_response(400, message, param=_field_of(message))
+    return error_response(400, str(exc), param=_field_of(str(exc)))
+
+
+def _field_of(message: str) -> str | None:
+    """The field a "field: message" error names (the project's ValueError convention)."""
+    field, sep, _ = message.partition(": ")
+    return field if sep and field.isidentifier() else None
+
+
+def engine_error_response(error: dict[str, Any]) -> JSONResponse:
+    """An engine error dict ({"status", "message", "type", "param", "retry_after"?}) as HTTP;
+    a 503 or an error with `retry_after` (seconds) tells the client when to retry."""
+    status = error["status"]
+    response = error_response(status, error["message"], error["type"], error.get("param"))
+    retry_after = error.get("retry_after")
+    if retry_after is None and status == 503:
+        retry_after = DEFAULT_RETRY_AFTER_S
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(max(0, int(retry_after)))
+    return response
+
+
+def engine_unavailable(request_id: str) -> JSONResponse:
+    """503 for an engine that cannot be reached or cannot step; no detail but the request id."""
+    message = f"engine unavailable (request {request_id})"
+    return engine_error_response(
+        {"status": 503, "message": message, "type": "ServiceUnavailableError"}
+    )
+
+
+class HTTPMetricsMiddleware:
+    """Counts and times every request a route answers, into `metrics_of()`'s `IngressMetrics`.
+
+    Plain ASGI rather than a route wrapper: it sees the status of every answer (errors included),
+    a stream ends when its last chunk is sent, and an exception is Starlette's 500. Requests no
+    route matches (unknown paths) are not counted: their paths would be unbounded label values.
+    """
+
+    def __init__(self, app: ASGIApp, metrics_of: Callable[[], IngressMetrics]) -> None:
+        self.app = app
+        self.metrics_of = metrics_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # until a response starts
+        recorded = False
+
+        def record() -> None:
+            nonlocal recorded
+            route = getattr(scope.get("route"), "path", None)  # the router sets it on a match
+            if route is not None and not recorded:
+                self.metrics_of().record(route, status, time.perf_counter() - start)
+            recorded = True
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        except Exception:
+            # NOTE: before the response started, Starlette answers 500; after, the client keeps
+            # the status it was sent (a stream cut short). A cancelled request is not answered.
+            record()
+            raise

@@ -1,0 +1,1 @@
+"""Tools beside serving: the offline, seeded default-model builder."""

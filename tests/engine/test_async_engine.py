@@ -1,0 +1,324 @@
+"""`AsyncEngine` without Ray: a real tiny engine in-process, driven from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from pagedray.engine.admission import (
+    EngineOverloadedError,
+    RequestTimeoutError,
+    default_max_num_waiting,
+)
+from pagedray.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.engine_factory import build_engine
+from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
+from pagedray.scheduler.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(model: str, **overrides: Any) -> tuple[AsyncEngine, Any]:
+    config = EngineConfig(model=model, num_kv_blocks=32, num_threads=1, **overrides)
+    engine, _executor, tokenizer, _validator = build_engine(config)
+    async_engine = AsyncEngine(
+        engine,
+        OutputProcessor(tokenizer),
+        stuck_after_s=0.2,
+        request_timeout_s=config.request_timeout_s or None,
+    )
+    return async_engine, tokenizer
+
+
+async def _drain(stream: Any) -> list[RequestStepOutput]:
+    return [output async for output in stream]
+
+
+def _text(outputs: list[RequestStepOutput], index: int = 0) -> str:
+    return "".join(d.text for o in outputs for d in o.deltas if d.index == index)
+
+
+def test_concurrent_requests_match_sequential(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        prompts = [tokenizer.encode(p) for p in ("one", "two three", "four five six")]
+        alone = [
+            await _drain(engine.add_request(f"a{i}", p, GREEDY)) for i, p in enumerate(prompts)
+        ]
+        together = await asyncio.gather(
+            *(_drain(engine.add_request(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts))
+        )
+        assert [_text(o) for o in together] == [_text(o) for o in alone]
+        last = together[2][-1]
+        assert last.finished and last.usage == {
+            "prompt_tokens": len(prompts[2]),
+            "completion_tokens": 6,
+            "total_tokens": len(prompts[2]) + 6,
+            "cached_tokens": last.usage["cached_tokens"],
+        }
+        assert engine.stats()["num_free_blocks"] == 32
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        stream = engine.add_request("long", tokenizer.encode("hello"), params)
+        await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_requests"], stats["num_running"]) == (32, 0, 0)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_full_waiting_queue_refuses(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=1, max_num_waiting=1)
+        ids = tokenizer.encode("hi")
+        first = engine.add_request("first", ids, SamplingParams(max_tokens=50, ignore_eos=True))
+        await first.__anext__()  # running
+        second = engine.add_request("second", ids, GREEDY)  # waiting
+        with pytest.raises(EngineOverloadedError):
+            engine.add_request("third", ids, GREEDY)
+        await first.aclose()
+        assert (await _drain(second))[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_failing_step_fails_requests_and_kills_health(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+
+        def step() -> list[Any]:
+            raise RuntimeError("boom")
+
+        engine.engine.step = step  # type: ignore[method-assign]
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _drain(engine.add_request("r", tokenizer.encode("hi"), GREEDY))
+        health = engine.health()
+        assert not health["healthy"] and "boom" in health["error"]
+        with pytest.raises(EngineDeadError):
+            engine.add_request("next", tokenizer.encode("hi"), GREEDY)
+
+    asyncio.run(run())
+
+
+def test_stuck_step_is_unhealthy(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        release = threading.Event()
+        real_step = engine.engine.step
+
+        def slow_step() -> list[Any]:
+            release.wait(5)
+            return real_step()
+
+        engine.engine.step = slow_step  # type: ignore[method-assign]
+        stream = engine.add_request("r", tokenizer.encode("hi"), GREEDY)
+        task = asyncio.create_task(_drain(stream))
+        await asyncio.sleep(0.4)  # past stuck_after_s=0.2
+        health = engine.health()
+        assert not health["healthy"] and "stuck" in health["error"]
+        release.set()
+        assert (await task)[-1].finished
+        assert engine.health()["healthy"]
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_merged_outputs_fold_each_choice(tiny_llama: str) -> None:
+    """Merging a request's step outputs (coalescing, stream interval) gives one delta a choice,
+    the same text, tokens and logprobs in order, and the last step's finish."""
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=5, logprobs=1, ignore_eos=True)
+
+    async def run() -> list[RequestStepOutput]:
+        engine, tokenizer = _engine(tiny_llama)
+        try:
+            return await _drain(engine.add_request("m", tokenizer.encode("merge me"), params))
+        finally:
+            await engine.shutdown()
+
+    outputs = asyncio.run(run())
+    assert len(outputs) > 2  # several steps to merge
+    merged = merge_step_outputs(outputs)
+    assert merged.finished and merged.usage == outputs[-1].usage
+    assert sorted(d.index for d in merged.deltas) == [0, 1]
+    for delta in merged.deltas:
+        steps = [d for o in outputs for d in o.deltas if d.index == delta.index]
+        assert delta.text == _text(outputs, delta.index)
+        assert delta.token_ids == [t for d in steps for t in d.token_ids]
+        assert len(delta.token_ids) == 5
+        assert delta.logprobs == [entry for d in steps for entry in d.logprobs]
+        assert delta.finish_reason == steps[-1].finish_reason == "length"
+
+
+def test_failed_request_ends_alone_and_the_engine_serves_on(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        broken = SamplingParams(temperature=1.0, max_tokens=6, repetition_penalty=1.5)
+        broken.repetition_penalty = 1e-300  # past validation: NaN probabilities in the step
+        ids = tokenizer.encode("hello hello hello world")
+        neighbour = asyncio.create_task(_drain(engine.add_request("ok", ids, GREEDY)))
+        with pytest.raises(RequestFailedError, match="NaN") as failure:
+            await _drain(engine.add_request("bad", ids, broken))
+        assert failure.value.status == 400
+        assert (await neighbour)[-1].finished
+        assert engine.health()["healthy"]
+        assert (await _drain(engine.add_request("after", ids, GREEDY)))[-1].finished
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_requests"]) == (32, 0)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_prompt_longer_than_the_pool_is_refused_before_acceptance(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, _ = _engine(tiny_llama)  # 32 blocks of 16: 512 tokens, below the model's limit
+        assert engine.stats()["max_model_len"] == 512
+        with pytest.raises(ValueError, match="^prompt: 600 tokens exceed max_model_len=512"):
+            engine.add_request("long", [5] * 600, GREEDY)
+        assert engine.stats()["num_requests"] == 0
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_request_past_its_deadline_is_aborted_and_freed(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, request_timeout_s=0.3)
+        endless = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        stream = engine.add_request("slow", tokenizer.encode("hi"), endless)
+        with pytest.raises(RequestTimeoutError, match="0.3 s"):
+            await _drain(stream)
+        await asyncio.sleep(0.05)  # the abort lands before the next step
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_running"], stats["num_requests"]) == (32, 0, 0)
+        assert (await _drain(engine.add_request("quick", tokenizer.encode("hi"), GREEDY)))[
+            -1
+        ].finished
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_default_waiting_bound_refuses_and_reports_degraded(tiny_llama: str) -> None:
+    assert default_max_num_waiting(max_num_seqs=256, num_kv_blocks=10_000) == 512
+    assert default_max_num_waiting(max_num_seqs=256, num_kv_blocks=32) == 32
+
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=1)
+        assert engine.admission.max_num_waiting == 2  # two batches of one
+        ids = tokenizer.encode("hi")
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        running = engine.add_request("running", ids, long)
+        await running.__anext__()
+        waiting = [engine.add_request(f"w{i}", ids, GREEDY) for i in range(2)]
+        health = engine.health()
+        assert health["healthy"] and health["degraded"]
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("refused", ids, GREEDY)
+        await running.aclose()
+        for stream in waiting:
+            assert (await _drain(stream))[-1].finished
+        assert engine.health()["degraded"]  # a refusal moments ago
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_urgent_request_overtakes_a_full_batch_token_exact(tiny_llama: str) -> None:
+    """Priority policy on the real tiny model: an urgent arrival preempts a long request of a
+    full batch and finishes first; the preempted one's greedy tokens are unchanged."""
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=2, scheduling_policy="priority")
+        prompts = [tokenizer.encode(p) for p in ("first long one", "second long one")]
+        alone = [
+            await _drain(engine.add_request(f"solo{i}", p, long)) for i, p in enumerate(prompts)
+        ]
+        streams = [engine.add_request(f"long{i}", p, long) for i, p in enumerate(prompts)]
+        firsts = [await stream.__anext__() for stream in streams]  # every seat taken
+        finished: list[str] = []
+
+        async def drain(name: str, stream: Any, first: Any = None) -> list[RequestStepOutput]:
+            outputs = [first] if first is not None else []
+            outputs += await _drain(stream)
+            finished.append(name)
+            return outputs
+
+        tasks = [
+            asyncio.create_task(drain(f"long{i}", s, first))
+            for i, (s, first) in enumerate(zip(streams, firsts))
+        ]
+        urgent = engine.add_request("urgent", tokenizer.encode("hi"), GREEDY, priority=-1)
+        await drain("urgent", urgent)
+        together = await asyncio.gather(*tasks)
+        assert finished[0] == "urgent"
+        assert engine.stats()["num_preemptions"] >= 1
+        assert [_tokens(o) for o in together] == [_tokens(o) for o in alone]
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def _tokens(outputs: list[RequestStepOutput]) -> list[int]:
+    return [t for o in outputs for d in o.deltas for t in d.token_ids]
+
+
+def test_full_queue_gives_way_to_better_priority(tiny_llama: str) -> None:
+    """Priority policy, queue full: a better-priority arrival displaces the worst request that
+    has not started (503 for it); an equal one is refused; a running one is never touched."""
+
+    async def run() -> None:
+        engine, tokenizer = _engine(
+            tiny_llama, max_num_seqs=1, max_num_waiting=1, scheduling_policy="priority"
+        )
+        ids = tokenizer.encode("hi")
+        running = engine.add_request("running", ids, SamplingParams(max_tokens=30, ignore_eos=True))
+        first = await running.__anext__()
+        waiting = engine.add_request("waiting", ids, GREEDY, priority=0)
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("equal", ids, GREEDY, priority=0)
+        urgent = engine.add_request("urgent", ids, GREEDY, priority=-1)
+        with pytest.raises(EngineOverloadedError, match="gave way"):
+            await _drain(waiting)
+        assert (await _drain(urgent))[-1].finished
+        rest = await _drain(running)
+        assert sum(len(d.token_ids) for o in [first, *rest] for d in o.deltas) == 30
+        stats = engine.stats()
+        assert (stats["num_free_blocks"], stats["num_requests"]) == (32, 0)
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_fcfs_full_queue_refuses_whatever_the_priority(tiny_llama: str) -> None:
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, max_num_seqs=1, max_num_waiting=1)
+        ids = tokenizer.encode("hi")
+        running = engine.add_request("running", ids, SamplingParams(max_tokens=30, ignore_eos=True))
+        await running.__anext__()
+        waiting = engine.add_request("waiting", ids, GREEDY)
+        with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
+            engine.add_request("urgent", ids, GREEDY, priority=-1)
+        await running.aclose()
+        assert (await _drain(waiting))[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(run())
