@@ -26,7 +26,7 @@ from pagedray.engine.async_engine import (
 )
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.output_processor import OutputProcessor
-from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
+from pagedray.engine.step_outputs import RequestStepOutput
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
@@ -59,12 +59,13 @@ class EngineDeployment:
             from pagedray.engine.engine_factory import build_engine
 
             engine_builder = build_engine
-        engine, self.executor, tokenizer, _ = engine_builder(self.config)
+        engine, self.executor, _, _ = engine_builder(self.config)
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
         model_name = self.config.served_model_name or Path(self.config.model).name
         self.engine = AsyncEngine(
             engine,
-            OutputProcessor(tokenizer),
+            # Token ids only: the ingress makes the text (and finds stop strings).
+            OutputProcessor(None),
             stuck_after_s,
             metrics=EngineMetrics(model_name),
             request_timeout_s=self.config.request_timeout_s or None,
@@ -75,7 +76,8 @@ class EngineDeployment:
         """Stream a request's per-step outputs; the first item says whether it was accepted.
 
         `request` holds request_id, prompt_token_ids, sampling_params (a validated
-        `SamplingParams`) and optionally prompt, priority and cache_salt. Errors are yielded as
+        `SamplingParams`) and optionally priority, cache_salt and stream_interval (tokens per
+        message; None: one message at the end; default: the config's). Errors are yielded as
         an output with `error` set (never raised), so the caller can map them to HTTP statuses.
         """
         request_id = request["request_id"]
@@ -84,38 +86,21 @@ class EngineDeployment:
                 request_id,
                 request["prompt_token_ids"],
                 request["sampling_params"],
-                prompt=request.get("prompt"),
                 priority=request.get("priority", 0),
                 cache_salt=request.get("cache_salt"),
+                stream_interval=request.get("stream_interval", self.config.stream_interval),
             )
         except Exception as exc:  # noqa: BLE001 - reported to the client, not raised
             yield error_output(request_id, exc)
             return
         yield RequestStepOutput(request_id)  # accepted
-        # Every message through Serve costs the replica, the ingress and the proxy CPU time, so
-        # outputs are held and merged: a client that does not stream gets one message, a
-        # streaming one a message every `stream_interval` tokens (the first token at once).
-        interval = self.config.stream_interval if request.get("stream", True) else None
-        held: list[RequestStepOutput] = []
-        held_tokens, sent_tokens = 0, False
         # NOTE: closing the stream on cancellation or disconnect aborts the request in the engine.
         async with contextlib.aclosing(stream):
             try:
                 async for output in stream:
-                    held.append(output)
-                    # Tokens per choice: with n > 1 every choice advances each step.
-                    held_tokens += max((len(d.token_ids) for d in output.deltas), default=0)
-                    if output.finished or (
-                        interval is not None and (held_tokens >= interval or not sent_tokens)
-                    ):
-                        yield held[0] if len(held) == 1 else merge_step_outputs(held)
-                        sent_tokens = sent_tokens or held_tokens > 0
-                        held, held_tokens = [], 0
+                    yield output
             except Exception as exc:  # noqa: BLE001
-                held = []
                 yield error_output(request_id, exc)
-        if held:
-            yield merge_step_outputs(held)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -30,6 +30,7 @@ from pagedray.cluster.metrics import IngressMetrics
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import load_tokenizer, make_validator
 from pagedray.engine.prompts import ValidatedPrompt
+from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     GuardSettings,
@@ -67,7 +68,6 @@ from pagedray.openai.responses import (
 )
 from pagedray.openai.schema import declare_request_models, request_body, responses
 from pagedray.openai.serving import (
-    EngineStreams,
     HTTPMetricsMiddleware,
     LogprobFormatter,
     bad_request,
@@ -79,6 +79,9 @@ from pagedray.scheduler.sampling_params import SamplingParams
 # Threads per ingress replica that parse bodies and (de)tokenize, off the event loop: a huge
 # prompt then delays only the requests queued behind it here, never /health or a stream.
 TOKENIZER_THREADS = 4
+# Tokens per engine message of a non-streamed request with stop strings: the ingress finds them,
+# so it needs the tokens before the end, but not one message per token.
+STOP_CHECK_INTERVAL = 8
 
 app = FastAPI(title="pagedray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -303,6 +306,15 @@ class OpenAIIngress:
             return error_response(404, message, "NotFoundError", param="model")
         return body
 
+    def _stream_interval(self, stream: bool, params: SamplingParams) -> int | None:
+        """How often the engine sends this request's tokens: every `--stream-interval` tokens to
+        a streaming client; once, at the end, to one that does not stream, unless the ingress
+        must watch for stop strings (then every `STOP_CHECK_INTERVAL` tokens, so that little is
+        generated past one)."""
+        if stream:
+            return self.config.stream_interval
+        return STOP_CHECK_INTERVAL if params.stop else None
+
     async def _open(
         self,
         request_id: str,
@@ -316,15 +328,14 @@ class OpenAIIngress:
             {
                 "request_id": request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 "prompt_token_ids": prompt.token_ids,
-                "prompt": prompt.text,
                 "sampling_params": params,
                 "priority": priority,
                 "cache_salt": prompt.cache_salt,
-                "stream": stream,
+                "stream_interval": self._stream_interval(stream, params),
             }
             for i, prompt in enumerate(prompts)
         ]
-        streams = EngineStreams(self.engine, requests)
+        streams = EngineStreams(self.engine, requests, self.tokenizer)
         error = await streams.open()
         return engine_error_response(error) if error is not None else streams
 

@@ -23,7 +23,7 @@ from pagedray.engine.admission import (
 )
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
 from pagedray.engine.step_metrics import StepMetricsRecorder
-from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs, usage_of
+from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer, usage_of
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import EngineRequest, RequestStatus
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -107,8 +107,10 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        stream_interval: int | None = 1,
     ) -> AsyncIterator[RequestStepOutput]:
-        """Queue a validated request; returns its stream of per-step outputs.
+        """Queue a validated request; returns its stream of outputs, merged per
+        `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
 
         Closing or cancelling the stream before it finishes aborts the request.
 
@@ -147,7 +149,7 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self.admission.track(request_id, self._streams, len(self._streams))
         self._wake()
-        return self._stream(request_id, queue)
+        return self._stream(request_id, queue, stream_interval)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
@@ -293,7 +295,9 @@ class AsyncEngine:
                 self._recorder.aborted(request_id, self.output_processor.requests.pop(request_id))
                 self._fail(request_id, RequestFailedError(*state.error))
                 continue
-            output = RequestStepOutput(request_id, request_deltas)
+            output = RequestStepOutput(
+                request_id, request_deltas, num_cached_tokens=state.num_cached_tokens
+            )
             if state.finished:
                 self.output_processor.requests.pop(request_id)
                 output.finished = True
@@ -363,25 +367,28 @@ class AsyncEngine:
             self._wakeup.set()
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestStepOutput | BaseException]
+        self,
+        request_id: str,
+        queue: asyncio.Queue[RequestStepOutput | BaseException],
+        stream_interval: int | None,
     ) -> AsyncIterator[RequestStepOutput]:
+        coalescer = StreamCoalescer(stream_interval)
         finished = False
         try:
             while not finished:
                 item = await queue.get()
+                # A reader that fell behind takes what piled up in one go.
+                while not isinstance(item, BaseException):
+                    coalescer.add(item)
+                    finished = item.finished
+                    if finished or queue.empty():
+                        break
+                    item = queue.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True
-                    raise item
-                # A reader that fell behind gets what piled up as one output, not many.
-                batch = [item]
-                while not batch[-1].finished and not queue.empty():
-                    queued = queue.get_nowait()
-                    if isinstance(queued, BaseException):
-                        queue.put_nowait(queued)  # raised on the next turn, after this batch
-                        break
-                    batch.append(queued)
-                finished = batch[-1].finished
-                yield batch[0] if len(batch) == 1 else merge_step_outputs(batch)
+                    raise item  # what was held is dropped: the request failed
+                if coalescer.ready():
+                    yield coalescer.take()
         finally:
             if not finished:
                 self.abort(request_id)

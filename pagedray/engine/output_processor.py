@@ -1,8 +1,10 @@
-"""Front-end bookkeeping per request: text, stop strings, logprobs, usage and timing.
+"""Front-end bookkeeping per request: tokens, logprobs, usage, timing and, given a tokenizer,
+text and stop strings.
 
-The engine core reports token ids per sequence; this turns them into per-choice text deltas and
-`RequestOutput`s, and reports sequences whose stop string appeared so the engine can free them
-within the same step.
+The engine core reports token ids per sequence; this turns them into per-choice deltas and
+`RequestOutput`s. With a tokenizer (the offline `LLM`) the deltas carry text, and sequences whose
+stop string appeared are reported so the engine frees them within the same step. Without one
+(the serving engine replica) it handles token ids only: the ingress makes the text.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedray.engine.detokenizer import IncrementalDetokenizer
+from pagedray.engine.choice_text import ChoiceText
 from pagedray.scheduler.messages import RequestError
 from pagedray.scheduler.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from pagedray.scheduler.request import child_req_id
@@ -35,11 +37,9 @@ class ChoiceDelta:
 
 @dataclass
 class _Choice:
-    detokenizer: IncrementalDetokenizer
+    text: ChoiceText | None  # None: token ids only
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    text: str = ""
-    num_streamed_chars: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     sent_prompt_logprobs: bool = False
@@ -55,14 +55,18 @@ class RequestState:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tokenizer: Any,
+        stream_text: bool = True,
     ) -> None:
+        """`tokenizer` None: token ids only, no text."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.choices = [
             _Choice(
-                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
+                None
+                if tokenizer is None
+                else ChoiceText(tokenizer, prompt_token_ids, params, stream_text),
                 logprobs=[] if params.logprobs is not None else None,
             )
             for _ in range(params.n)
@@ -89,7 +93,7 @@ class RequestState:
             outputs=[
                 CompletionOutput(
                     index=i,
-                    text=c.text,
+                    text=c.text.text if c.text is not None else "",
                     token_ids=list(c.token_ids),
                     finish_reason=c.finish_reason,
                     logprobs=c.logprobs,
@@ -113,8 +117,9 @@ class OutputProcessor:
     """All live requests' front-end state."""
 
     def __init__(self, tokenizer: Any, stream_text: bool = True) -> None:
-        """`stream_text=False` (the offline `LLM`): text is decoded once, when a choice ends,
-        unless stop strings must be searched as tokens arrive."""
+        """`tokenizer` None: token ids only (the ingress makes the text). `stream_text=False`
+        (the offline `LLM`): text is decoded once, when a choice ends, unless stop strings must
+        be searched as tokens arrive."""
         self.tokenizer = tokenizer
         self.stream_text = stream_text
         self.requests: dict[str, RequestState] = {}
@@ -126,7 +131,9 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> RequestState:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, self.stream_text
+        )
         self.requests[request_id] = state
         return state
 
@@ -171,56 +178,30 @@ class OutputProcessor:
             choice.finish_reason = choice.finish_reason or "error"
         return ChoiceDelta(state.request_id, 0, "", [], None, "error", None)
 
-    def _update_choice(self, state: RequestState, choice: _Choice, out: EngineCoreOutput) -> bool:
+    @staticmethod
+    def _update_choice(state: RequestState, choice: _Choice, out: EngineCoreOutput) -> bool:
         """Returns True when a stop string ended the choice (the engine must be told)."""
-        params = state.params
         choice.token_ids.extend(out.new_token_ids)
         if choice.logprobs is not None and out.new_logprobs:
             for ids, logprobs, _rank in out.new_logprobs:
                 choice.logprobs.append(dict(zip(ids, logprobs)))
-        if self.stream_text or params.stop:
-            new_text = choice.detokenizer.push(out.new_token_ids)
-        else:
-            choice.detokenizer.append(out.new_token_ids)
-            new_text = ""
-        if params.stop and self._find_stop_string(choice, new_text, params):
+        text = choice.text
+        if text is not None and text.push(out.new_token_ids):
+            choice.finish_reason, choice.stop_reason = text.finish_reason, text.stop_reason
             return True
-        choice.text += new_text
         if out.finish_reason is not None:
             choice.finish_reason = out.finish_reason
-            last = choice.token_ids[-1]
-            stopped_by_token = out.finish_reason == "stop"
-            if stopped_by_token and last in params.stop_token_ids:
-                choice.stop_reason = last
-            drop = 1 if stopped_by_token and not params.include_stop_str_in_output else 0
-            choice.text = choice.detokenizer.full_text(drop_last=drop)
+            last = choice.token_ids[-1] if choice.token_ids else None
+            stop_token = last if out.finish_reason == "stop" else None
+            if stop_token is not None and stop_token in state.params.stop_token_ids:
+                choice.stop_reason = stop_token
+            if text is not None:
+                text.finish(out.finish_reason, stop_token)
         return False
-
-    @staticmethod
-    def _find_stop_string(choice: _Choice, new_text: str, params: SamplingParams) -> bool:
-        # A stop string may span tokens: search from just before the new text.
-        longest = max(len(s) for s in params.stop)
-        start = max(0, len(choice.text) - longest + 1)
-        text = choice.text + new_text
-        hits = [(text.find(s, start), s) for s in params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        choice.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
-        choice.finish_reason = "stop"
-        choice.stop_reason = stop
-        return True
 
     def _delta(self, state: RequestState, index: int, out: EngineCoreOutput) -> ChoiceDelta:
         choice = state.choices[index]
-        # Hold back a possible stop string's prefix until it is decided.
-        hold = (
-            0 if choice.finish_reason else max((len(s) for s in state.params.stop), default=1) - 1
-        )
-        end = max(choice.num_streamed_chars, len(choice.text) - hold)
-        text = choice.text[choice.num_streamed_chars : end]
-        choice.num_streamed_chars = end
+        text = choice.text.take_new_text() if choice.text is not None else ""
         logprobs = None
         if choice.logprobs is not None:
             logprobs = choice.logprobs[len(choice.logprobs) - len(out.new_token_ids) :]

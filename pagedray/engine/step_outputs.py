@@ -1,7 +1,7 @@
 """What a serving engine streams for one request each step, and how consecutive ones merge.
 
-Shared by the engine loop (`async_engine.py`), the engine deployment (which holds outputs back
-for `--stream-interval`) and the ingress (which reads them).
+Shared by the engine loop (`async_engine.py`, which holds outputs back for `--stream-interval`),
+the engine deployment (which forwards them) and the ingress (which reads them).
 """
 
 from __future__ import annotations
@@ -23,6 +23,45 @@ class RequestStepOutput:
     usage: dict[str, int] | None = None  # prompt/completion/total/cached tokens, when finished
     metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
     error: dict[str, Any] | None = None  # set instead of deltas when the request failed
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known after prefill)
+
+
+class StreamCoalescer:
+    """The one place a request's outputs are held back and merged (vLLM's `--stream-interval`).
+
+    Every message through Serve costs the engine replica and the ingress CPU time, so a stream
+    sends the first token at once, then a message per `interval` tokens (per choice), and the
+    finish; `interval` None sends one message at the end (a client that does not stream).
+    Whatever piled up while the reader was busy goes out as one message too.
+    """
+
+    def __init__(self, interval: int | None) -> None:
+        self.interval = interval
+        self._held: list[RequestStepOutput] = []
+        self._held_tokens = 0
+        self._sent_tokens = False
+
+    def add(self, output: RequestStepOutput) -> None:
+        self._held.append(output)
+        # Tokens per choice: with n > 1 every choice advances each step.
+        self._held_tokens += max((len(d.token_ids) for d in output.deltas), default=0)
+
+    def ready(self) -> bool:
+        """Whether what is held should go out now."""
+        if not self._held:
+            return False
+        if self._held[-1].finished:
+            return True
+        if self.interval is None:
+            return False
+        return self._held_tokens >= self.interval or not self._sent_tokens
+
+    def take(self) -> RequestStepOutput:
+        """What is held, as one output."""
+        held, self._held = self._held, []
+        self._sent_tokens = self._sent_tokens or self._held_tokens > 0
+        self._held_tokens = 0
+        return held[0] if len(held) == 1 else merge_step_outputs(held)
 
 
 def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
@@ -38,7 +77,13 @@ def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
             earlier = folded.get(delta.index)
             folded[delta.index] = delta if earlier is None else _join(earlier, delta)
     return RequestStepOutput(
-        last.request_id, list(folded.values()), last.finished, last.usage, last.metrics, last.error
+        last.request_id,
+        list(folded.values()),
+        last.finished,
+        last.usage,
+        last.metrics,
+        last.error,
+        max(output.num_cached_tokens for output in outputs),
     )
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -27,7 +28,6 @@ from pagedray.openai.protocol import (
 )
 from pagedray.openai.serving import (
     SSE_DONE,
-    EngineStreams,
     LogprobFormatter,
     UsageCounter,
     sse,

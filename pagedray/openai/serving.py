@@ -1,19 +1,15 @@
-"""Serving helpers: the merged engine streams, usage, logprob formats, SSE framing, error JSON,
-and the middleware that records the ingress's metrics.
-
-One client request may be several engine requests (a batch of completion prompts); their streams
-are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them.
+"""Serving helpers: usage, logprob formats, SSE framing, error JSON, and the middleware that
+records the ingress's metrics. The engine streams themselves are in `engine_streams.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
@@ -35,79 +31,6 @@ if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds a client is told to wait after a 503 that names no time of its own.
 DEFAULT_RETRY_AFTER_S = 1
-
-
-class EngineStreams:
-    """The engine-side streams of one client request, opened together and merged."""
-
-    def __init__(self, engine: Any, requests: list[dict[str, Any]]) -> None:
-        streaming = engine.options(stream=True)
-        self.request_ids = [request["request_id"] for request in requests]
-        self.generators = [streaming.generate.remote(request) for request in requests]
-
-    async def open(self) -> dict[str, Any] | None:
-        """Wait until every engine request is accepted; returns the first refusal, if any."""
-        try:
-            firsts = await asyncio.gather(
-                *(gen.__anext__() for gen in self.generators), return_exceptions=True
-            )
-        except BaseException:  # cancelled: the client went away before admission
-            self.close()
-            raise
-        for request_id, first in zip(self.request_ids, firsts):
-            error = _error_of(first, request_id)
-            if error is not None:
-                self.close()
-                return error
-        return None
-
-    async def merged(self) -> AsyncGenerator[tuple[int, RequestStepOutput], None]:
-        """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-        async def pump(index: int, gen: Any) -> None:
-            try:
-                async for item in gen:
-                    await queue.put((index, item))
-            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
-                await queue.put((index, exc))
-            await queue.put((index, None))
-
-        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.generators)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                error = _error_of(item, self.request_ids[index])
-                yield index, item if error is None else RequestStepOutput("", error=error)
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.close()
-
-    def close(self) -> None:
-        # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
-        for gen in self.generators:
-            gen.cancel()
-
-
-def _error_of(item: Any, request_id: str) -> dict[str, Any] | None:
-    """The error an engine stream item carries, fit for the client: a raised exception (the
-    replica died, the call failed) or an internal error says only that, with the request id;
-    the detail goes to the log under that id."""
-    if isinstance(item, BaseException):
-        logger.warning("request %s: engine call failed: %r", request_id, item)
-        message = f"engine unavailable (request {request_id})"
-        return {"status": 503, "message": message, "type": "ServiceUnavailableError"}
-    error = item.error
-    if error is not None and error.get("status", 500) >= 500 and error.get("status") != 503:
-        logger.error("request %s: engine error: %s", request_id, error.get("message"))
-        message = f"internal error (request {request_id})"
-        return {**error, "status": 500, "message": message, "type": "InternalServerError"}
-    return error
 
 
 @dataclass

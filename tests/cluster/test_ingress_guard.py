@@ -14,9 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings, IngressGuard, api_key_digest
 from pagedray.openai.request_body import MAX_JSON_DEPTH, BodyError, parse_json_body
-from pagedray.openai.serving import EngineStreams, engine_error_response
+from pagedray.openai.serving import engine_error_response
+from pagedray.scheduler.sampling_params import SamplingParams
 
 KEY = "sk-unit"
 LIMIT = 1024
@@ -176,11 +178,15 @@ class _FakeGenerator:
         self.items = []
 
 
+PARAMS = SamplingParams(max_tokens=4)
+
+
 def _merged_errors(items: list[Any], caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     """The errors a client would see: the refusal at admission, or those in the stream."""
 
     async def run() -> list[dict[str, Any]]:
-        streams = EngineStreams(_FakeHandle(items), [{"request_id": "cmpl-7"}])
+        request = {"request_id": "cmpl-7", "prompt_token_ids": [1], "sampling_params": PARAMS}
+        streams = EngineStreams(_FakeHandle(items), [request], tokenizer=None)
         refused = await streams.open()
         if refused is not None:
             return [refused]

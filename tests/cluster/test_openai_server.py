@@ -143,30 +143,65 @@ def test_n2_with_logprobs(client: openai.OpenAI) -> None:
         assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
 
 
-def test_stop_string_across_token_boundary(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(
-        model=MODEL,
-        prompt="Once upon a time",
-        max_tokens=16,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-    full = client.completions.create(**kwargs, logprobs=0).choices[0]
+STOP_KWARGS: dict[str, Any] = dict(
+    model=MODEL,
+    prompt="Once upon a time",
+    max_tokens=16,
+    temperature=0,
+    extra_body={"ignore_eos": True},
+)
+
+
+def _stop_across_tokens(client: openai.OpenAI) -> tuple[str, str, int]:
+    """A stop string made of the end of one token and the start of the next, read from the
+    greedy text; returns it, the text before it and the index of the token it ends in."""
+    full = client.completions.create(**STOP_KWARGS, logprobs=0).choices[0]
     tokens, text, offsets = full.logprobs.tokens, full.text, full.logprobs.text_offset
-    # A stop string made of the end of one token and the start of the next, read from the text
-    # (token names of partial characters are `bytes:` names, not text).
-    stop = None
+    # NOTE: token names of partial characters are `bytes:` names, not text: read the text.
     for i in range(2, len(tokens) - 1):
         candidate = text[offsets[i + 1] - 1 : offsets[i + 1] + 1]
         if len(candidate) == 2 and text.find(candidate) == offsets[i + 1] - 1:
-            stop = candidate
-            break
-    assert stop is not None, tokens
-    expected = text[: text.index(stop)]
+            return candidate, text[: text.index(candidate)], i + 1
+    raise AssertionError(f"no stop string spans two tokens of {tokens}")
+
+
+def test_stop_string_across_token_boundary(client: openai.OpenAI) -> None:
+    kwargs = STOP_KWARGS
+    stop, expected, _ = _stop_across_tokens(client)
     stopped = client.completions.create(**kwargs, stop=[stop]).choices[0]
     assert (stopped.text, stopped.finish_reason) == (expected, "stop")
     streamed = client.completions.create(**kwargs, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_a_stop_string_found_by_the_ingress_stops_the_engine(
+    client: openai.OpenAI, main_url: str
+) -> None:
+    """The engine streams token ids; the ingress finds the stop string, ends the request there
+    (usage counts tokens up to it) and aborts the rest in the engine."""
+    stop, expected, last_index = _stop_across_tokens(client)
+    steps_before = _total_steps(main_url)
+    kwargs = {**STOP_KWARGS, "max_tokens": 1000, "stop": [stop]}
+    for stream in (False, True):
+        if stream:
+            chunks = list(
+                client.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            usage = chunks[-1].usage
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+            finish_reason = reasons[-1]
+        else:
+            response = client.completions.create(**kwargs)
+            text, usage = response.choices[0].text, response.usage
+            finish_reason = response.choices[0].finish_reason
+        assert (text, finish_reason) == (expected, "stop")
+        assert usage.completion_tokens == last_index + 1  # up to the token that completed it
+    _wait_all_blocks_free(main_url, timeout_s=2.0)
+    # Not aborted, each would have run ~1000 steps.
+    assert _total_steps(main_url) - steps_before < 500
 
 
 def test_seed_reproduces(client: openai.OpenAI) -> None:

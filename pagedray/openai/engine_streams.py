@@ -1,0 +1,137 @@
+"""The engine-side streams of one client request: opened together, given their text here, merged.
+
+One client request may be several engine requests (a batch of completion prompts); their streams
+are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them
+(`responses.py`). The engine streams token ids; the text, stop strings included, is made here
+(`RequestText`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncGenerator
+
+from pagedray.engine.request_text import RequestText
+from pagedray.engine.step_outputs import RequestStepOutput
+
+logger = logging.getLogger("ray.serve.pagedray.ingress")
+
+
+class EngineStreams:
+    """The engine-side streams of one client request, opened together, given their text here
+    (the engine streams token ids) and merged.
+
+    A stream whose every choice has ended here (a stop string) is finished at once and its
+    engine request cancelled, which aborts it in the engine.
+    """
+
+    def __init__(self, engine: Any, requests: list[dict[str, Any]], tokenizer: Any) -> None:
+        streaming = engine.options(stream=True)
+        self.request_ids = [request["request_id"] for request in requests]
+        self.texts = [
+            RequestText(tokenizer, request["prompt_token_ids"], request["sampling_params"])
+            for request in requests
+        ]
+        self.generators = [streaming.generate.remote(request) for request in requests]
+
+    async def open(self) -> dict[str, Any] | None:
+        """Wait until every engine request is accepted; returns the first refusal, if any."""
+        try:
+            firsts = await asyncio.gather(
+                *(gen.__anext__() for gen in self.generators), return_exceptions=True
+            )
+        except BaseException:  # cancelled: the client went away before admission
+            self.close()
+            raise
+        for request_id, first in zip(self.request_ids, firsts):
+            error = _error_of(first, request_id)
+            if error is not None:
+                self.close()
+                return error
+        return None
+
+    async def merged(self) -> AsyncGenerator[tuple[int, RequestStepOutput], None]:
+        """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(index: int, gen: Any) -> None:
+            try:
+                async for item in gen:
+                    await queue.put((index, item))
+            except asyncio.CancelledError:
+                pass  # ended here (a stop string) or by the caller
+            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
+                await queue.put((index, exc))
+            finally:
+                queue.put_nowait((index, None))  # every pump ends with exactly one None
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.generators)]
+        remaining = len(tasks)
+        done: set[int] = set()  # streams finished here: later items are dropped
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if index in done:
+                    continue
+                error = _error_of(item, self.request_ids[index])
+                if error is not None:
+                    yield index, RequestStepOutput("", error=error)
+                    continue
+                output = self._with_text(index, item)
+                if output.finished:
+                    done.add(index)
+                    if not item.finished:  # ended here: the engine need not go on
+                        tasks[index].cancel()
+                        self.generators[index].cancel()
+                yield index, output
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.close()
+
+    def _with_text(self, index: int, output: RequestStepOutput) -> RequestStepOutput:
+        text = self.texts[index]
+        deltas = [d for d in (text.apply(delta) for delta in output.deltas) if d is not None]
+        finished = output.finished or text.finished
+        usage = None
+        if finished:
+            completion_tokens = text.num_completion_tokens
+            usage = {
+                "prompt_tokens": text.num_prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": text.num_prompt_tokens + completion_tokens,
+                "cached_tokens": output.num_cached_tokens,
+            }
+        return RequestStepOutput(
+            output.request_id,
+            deltas,
+            finished,
+            usage,
+            output.metrics,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+    def close(self) -> None:
+        # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
+        for gen in self.generators:
+            gen.cancel()
+
+
+def _error_of(item: Any, request_id: str) -> dict[str, Any] | None:
+    """The error an engine stream item carries, fit for the client: a raised exception (the
+    replica died, the call failed) or an internal error says only that, with the request id;
+    the detail goes to the log under that id."""
+    if isinstance(item, BaseException):
+        logger.warning("request %s: engine call failed: %r", request_id, item)
+        message = f"engine unavailable (request {request_id})"
+        return {"status": 503, "message": message, "type": "ServiceUnavailableError"}
+    error = item.error
+    if error is not None and error.get("status", 500) >= 500 and error.get("status") != 503:
+        logger.error("request %s: engine error: %s", request_id, error.get("message"))
+        message = f"internal error (request {request_id})"
+        return {**error, "status": 500, "message": message, "type": "InternalServerError"}
+    return error
