@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "deploy"))
 from _subprocesses import pagedray_serve  # noqa: E402
 from reliability_workloads import (  # noqa: E402
-    WORKER_MARKER,
     FloodFigures,
     KillFigures,
     Reply,
@@ -31,6 +30,7 @@ from reliability_workloads import (  # noqa: E402
     abort_storm,
     bad_bodies_beside_stream,
     flood,
+    rank_process_marker,
     worker_kill,
 )
 
@@ -193,7 +193,8 @@ def run_fcfs(args: argparse.Namespace) -> list[list[str]]:
         rows += report_storm(storm)
         rows += run_floods(target, args, "fcfs", short_priority=0)
         print("d. worker kill", flush=True)
-        workers = lambda: server.processes(WORKER_MARKER)  # noqa: E731
+        marker = rank_process_marker(args.tensor_parallel_size)
+        workers = lambda: server.processes(marker)  # noqa: E731
         kill = worker_kill(target, workers, KILL_MAX_TOKENS, args.budget)
         rows += report_kill(kill)
     return rows

@@ -21,6 +21,7 @@ from pagedray.openai.ingress_guard import (
 # `build_app` arguments that configure the deployments rather than the engine.
 APP_ARGS = (
     "num_replicas",
+    "num_ingress_replicas",
     "min_replicas",
     "max_replicas",
     "api_key",
@@ -42,6 +43,7 @@ def build_openai_app(
     health_check_period_s: float | None = None,
     ingress_num_cpus: float = 0.0,
     engine_builder: Any = None,
+    num_ingress_replicas: int = 1,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     api_key_sha256: str | None = None,
 ) -> Application:
@@ -66,7 +68,9 @@ def build_openai_app(
     from pagedray.cluster.openai_app import OpenAIIngress
 
     engine = engine_deployment(config, **options).bind(config.model_dump(), **engine_kwargs)
-    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": ingress_num_cpus})
+    ingress = OpenAIIngress.options(
+        num_replicas=num_ingress_replicas, ray_actor_options={"num_cpus": ingress_num_cpus}
+    )
     return ingress.bind(engine, config.model_dump(), *astuple(guard))
 
 
@@ -84,8 +88,8 @@ def build_app(args: dict[str, Any]) -> Application:
         from pagedray.tools.default_model import default_model_path
 
         args["model"] = str(default_model_path())
-    # Serving runs every rank as a Ray actor in the replica's placement group.
-    args.setdefault("use_ray_workers", True)
+    # NOTE: at TP=1 the rank runs inside the engine replica (no worker actor, no pipe hop);
+    # `use_ray_workers=true` makes it an actor of its own, as every rank is at TP > 1.
     config = EngineConfig.model_validate(args)
     autoscaling_config = None
     if "min_replicas" in app_args or "max_replicas" in app_args:
@@ -100,6 +104,7 @@ def build_app(args: dict[str, Any]) -> Application:
         stuck_after_s=_float_or_none(app_args.get("stuck_after_s")),
         health_check_period_s=_float_or_none(app_args.get("health_check_period_s")),
         ingress_num_cpus=float(app_args.get("ingress_num_cpus", 0.0)),
+        num_ingress_replicas=int(app_args.get("num_ingress_replicas", 1)),
         max_request_body_bytes=int(
             app_args.get("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
         ),

@@ -6,6 +6,7 @@ Kept apart from `cli.py` so offline use never imports Ray Serve.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -14,6 +15,13 @@ import threading
 import typing
 from pathlib import Path
 from typing import Any
+
+from pagedray.cli.serve_runtime import (
+    QuietReconnect,
+    lean_serve_env,
+    proxy_port,
+    wait_until_ready,
+)
 
 APP_NAME = "pagedray"
 API_KEY_ENV = "PAGEDRAY_API_KEY"
@@ -35,6 +43,13 @@ def add_serve_parser(commands: Any) -> None:
     add_engine_args(parser)
     parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
     parser.add_argument("--num-replicas", type=int, default=1, help="engines (each a TP group)")
+    parser.add_argument(
+        "--num-ingress-replicas",
+        type=int,
+        default=1,
+        help="HTTP ingress replicas (tokenize, detokenize, stream); 1 listens on --port itself, "
+        "more share it through Serve's proxy",
+    )
     parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this")
     parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this")
     parser.add_argument(
@@ -95,6 +110,19 @@ def add_serve_parser(commands: Any) -> None:
         help="where the local Ray's metrics port and dashboard listen (default: --host); "
         "a loopback address keeps every Ray port on loopback",
     )
+    parser.add_argument(
+        "--dashboard-host", default=None, help="the local Ray dashboard's address (default: "
+        "--metrics-host)"
+    )
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        help="the local Ray dashboard's port (default: Ray's, 8265, or the next free one)",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for the API"
+    )
     parser.set_defaults(func=run_serve)
 
 
@@ -113,6 +141,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         "dispatch": args.dispatch,
         "stream_interval": args.stream_interval,
         "num_replicas": args.num_replicas,
+        "num_ingress_replicas": args.num_ingress_replicas,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "max_request_body_bytes": args.max_request_body_bytes,
@@ -138,8 +167,11 @@ def run_serve(args: argparse.Namespace) -> int:
     local = args.address is None and not os.environ.get("RAY_ADDRESS")
     if local and _is_loopback(args.metrics_host or args.host):
         _keep_ray_on_loopback()
+    if local:
+        os.environ.update(lean_serve_env(args.port, args.num_ingress_replicas))
     import ray
     from ray import serve
+    from ray.serve.api import _run
 
     from pagedray.cluster.openai_app import build_app
     from pagedray.tools.default_model import default_model_path
@@ -163,10 +195,18 @@ def run_serve(args: argparse.Namespace) -> int:
         # process), and before deploying: a signal then stops the deployment and cleans up.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, on_signal)
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+        port = proxy_port(args.port, args.host) if local else args.port
+        serve.start(http_options={"host": args.host, "port": port})
+        logging.getLogger("ray.serve").addFilter(QuietReconnect())
+        _run(build_app(app_args), _blocking=False, name=APP_NAME, route_prefix="/")
+        poll_host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
+        wait_until_ready(
+            f"http://{_url_host(poll_host)}:{args.port}/health",
+            lambda: _app_status(serve),
+            args.startup_timeout,
+        )
         serving = True
-        url = f"http://{args.host}:{args.port}/v1"
+        url = f"http://{_url_host(args.host)}:{args.port}/v1"
         print(f"pagedray: serving the OpenAI API at {url} (model {model_name!r})", flush=True)
         while not stop.wait(1.0):
             pass
@@ -175,6 +215,15 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         _shut_down(local)
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _app_status(serve: Any) -> str | None:
+    app = serve.status().applications.get(APP_NAME)
+    return None if app is None else str(app.status)
 
 
 def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
@@ -189,7 +238,8 @@ def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
         address="local",
         num_cpus=max(os.cpu_count() or 1, num_cpus),
         include_dashboard=True,
-        dashboard_host=metrics_host,
+        dashboard_host=args.dashboard_host or metrics_host,
+        **({"dashboard_port": args.dashboard_port} if args.dashboard_port else {}),
         _metrics_export_port=args.metrics_export_port,
         **_bind_ray_to(metrics_host),
     )

@@ -22,13 +22,13 @@ from _subprocesses import ServeProcess, pagedray_serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from reliability_workloads import (  # noqa: E402
-    WORKER_MARKER,
     Target,
     abort_storm,
     bad_bodies_beside_stream,
     complete,
     flood,
     http_client,
+    rank_process_marker,
     worker_kill,
 )
 
@@ -141,9 +141,14 @@ def test_a_flood_leaves_short_requests_answered_or_refused_at_once(
 
 
 def test_a_killed_worker_fails_its_stream_fast_and_serve_replaces_the_engine(
-    server: ServeProcess, target: Target, capsys: pytest.CaptureFixture[str]
+    server: ServeProcess,
+    target: Target,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
-    kill = worker_kill(target, lambda: server.processes(WORKER_MARKER), KILL_TOKENS, BUDGET_S)
+    """At TP=1 the rank runs in the engine replica, so that process is the one killed."""
+    marker = rank_process_marker(request.node.callspec.params["server"])
+    kill = worker_kill(target, lambda: server.processes(marker), KILL_TOKENS, BUDGET_S)
     with capsys.disabled():
         print(
             f"\nworker kill ({server.url}): after the kill, the stream ended in "
@@ -158,4 +163,4 @@ def test_a_killed_worker_fails_its_stream_fast_and_serve_replaces_the_engine(
     assert kill.health_200_s is not None and kill.health_200_s < RECOVERY_S, kill
     assert kill.completion_s is not None and kill.completion_s < RECOVERY_S, kill
     assert kill.leaked_blocks == 0, kill
-    assert kill.pid not in server.processes(WORKER_MARKER)
+    assert kill.pid not in server.processes(marker)

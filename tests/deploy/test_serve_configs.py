@@ -92,7 +92,8 @@ def test_cpu_config_builds_a_cpu_engine(tmp_path: Path) -> None:
     # NOTE: a model path keeps build_app from building the default model here; it is not read.
     deployments = _build({**args, "model": str(tmp_path)})
     engine = deployments["PagedRayEngine"]
-    assert engine["bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    # TP=1: the rank runs in the engine replica, which holds one rank's CPU.
+    assert engine["bundles"] == [{"CPU": 1}]
     total_cpus = sum(bundle["CPU"] for bundle in engine["bundles"])
     total_cpus += deployments["OpenAIIngress"]["actor_options"]["num_cpus"]
     assert total_cpus <= 2, "the CPU config should fit a 2-CPU machine"

@@ -1,0 +1,98 @@
+"""How `pagedray serve` runs Ray Serve on its own local Ray: the lean request path, and when the
+API counts as ready.
+
+The lean path is Ray Serve's own throughput mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED`, Ray's
+"performance tuning" guide): replicas run user code on their main event loop, handles speak gRPC,
+access logs are buffered; and direct ingress, where the ingress replica itself listens on the API
+port, so a request crosses no proxy: HTTP → ingress replica → engine replica. Serve still starts
+its proxy, which answers on a free port of its own; nothing needs it. These are process
+environment variables, read when Ray's modules load in each Serve process, so they are set before
+the local Ray starts (its processes inherit them). A Ray cluster joined with `--address` keeps the
+settings it was started with.
+
+Direct ingress gives each ingress replica a port of its own, with no balancer in front, so it is
+used with exactly one ingress replica; more (`--num-ingress-replicas`) go through the proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+DIRECT_INGRESS_MIN_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
+DIRECT_INGRESS_MAX_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+DIRECT_INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# Seconds between readiness polls while the app starts.
+READY_POLL_S = 0.1
+
+
+def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
+    """The environment a local Ray needs for the lean path (a variable already set is kept: a
+    user's `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns the whole mode off)."""
+    if os.environ.get(THROUGHPUT_ENV, "1") == "0":
+        return {}
+    env = {THROUGHPUT_ENV: "1"}
+    if num_ingress_replicas == 1:
+        # NOTE: the controller hands ingress replicas ports from [min, max): one port, the API's.
+        env[DIRECT_INGRESS_MIN_PORT_ENV] = str(api_port)
+        env[DIRECT_INGRESS_MAX_PORT_ENV] = str(api_port + 1)
+        # Serve keeps a stopping ingress replica listening 30 s so that a load balancer in front
+        # notices; none is in front of a local server, so it stops at once (as the proxy did).
+        env[DIRECT_INGRESS_DRAIN_ENV] = "0"
+    else:
+        env[DIRECT_INGRESS_ENV] = "0"
+    return {key: value for key, value in env.items() if key not in os.environ}
+
+
+def uses_direct_ingress() -> bool:
+    """Whether this process's environment asks Serve for direct ingress."""
+    if DIRECT_INGRESS_ENV in os.environ:
+        return os.environ[DIRECT_INGRESS_ENV] == "1"
+    return os.environ.get(THROUGHPUT_ENV) == "1"
+
+
+def proxy_port(api_port: int, host: str) -> int:
+    """Where Serve's proxy listens: the API port itself, unless the ingress replica takes it."""
+    if not uses_direct_ingress():
+        return api_port
+    with socket.socket() as sock:
+        sock.bind((host if host not in ("", "0.0.0.0", "::") else "127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class QuietReconnect(logging.Filter):
+    """Drops Serve's "Connecting to existing Serve app" line: `pagedray serve` starts Serve
+    itself (to give it the HTTP options) and then deploys to it, which is no reconnection."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Connecting to existing Serve app" not in record.getMessage()
+
+
+def wait_until_ready(
+    health_url: str,
+    app_status: Callable[[], str | None],
+    timeout_s: float,
+    get: Callable[[str], Any] | None = None,
+) -> None:
+    """Return once `health_url` answers 200 (every engine can serve); raise if the app's Serve
+    status turns to a failure or `timeout_s` passes first."""
+    import httpx
+
+    get = get or (lambda url: httpx.get(url, timeout=2.0))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if get(health_url).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        status = app_status()
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"the Serve application is {status}; see the Serve logs")
+        time.sleep(READY_POLL_S)
+    raise TimeoutError(f"the API was not ready within {timeout_s:.0f} s")
