@@ -22,8 +22,12 @@ from pagedray.engine.admission import (
     default_max_num_waiting,
 )
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
-from pagedray.engine.step_metrics import StepMetricsRecorder
-from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer, usage_of
+from pagedray.engine.request_stream import RequestStream
+from pagedray.engine.step_metrics import StepMetricsRecorder, StepRecord
+from pagedray.engine.step_outputs import (
+    RequestStepOutput,
+    usage_of,
+)
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import EngineRequest, RequestStatus
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -51,6 +55,14 @@ class RequestFailedError(RuntimeError):
 
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _FinishedStep:
+    """A step's outputs, not yet handed to the streams."""
+
+    deltas: list[ChoiceDelta]
+    record: StepRecord | None  # None: the call ran no step (nothing was schedulable)
 
 
 @dataclass
@@ -84,7 +96,7 @@ class AsyncEngine:
         self.admission = Admission(
             max_num_waiting, request_timeout_s, by_priority=config.policy == "priority"
         )
-        self._streams: dict[str, asyncio.Queue[RequestStepOutput | BaseException]] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
@@ -145,11 +157,11 @@ class AsyncEngine:
             cache_salt=cache_salt,
         )
         self._pending[request_id] = _PendingRequest(engine_request, prompt)
-        queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = queue
+        request_stream = RequestStream(stream_interval)
+        self._streams[request_id] = request_stream
         self.admission.track(request_id, self._streams, len(self._streams))
         self._wake()
-        return self._stream(request_id, queue, stream_interval)
+        return request_stream.read(lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
@@ -208,35 +220,56 @@ class AsyncEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
+        """schedule → execute → update, step after step. What a step produced goes out to the
+        streams (and into the metrics) while the next step runs: the model does not wait for
+        that bookkeeping. Only what the next plan depends on (finished and stopped requests, new
+        requests, aborts) is done between steps."""
         assert self._wakeup is not None
+        finished_step: _FinishedStep | None = None
         try:
             while True:
-                self._expire_deadlines()
                 self._apply_pending()
-                self._recorder.stats(self._stats)
                 if not self.engine.has_unfinished_requests():
+                    if finished_step is not None:
+                        self._complete(finished_step)
+                        finished_step = None
+                    self._expire_deadlines()
+                    self._recorder.stats(self._stats)
                     self._recorder.idle()
                     self._wakeup.clear()
                     await self._wait_for_work()
                     continue
                 num_steps = self.engine.num_steps
                 self._step_started = time.monotonic()
+                step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
                 try:
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    if finished_step is not None:
+                        self._complete(finished_step)
+                        finished_step = None
+                    self._expire_deadlines()
+                    self._recorder.stats(self._stats)
+                    outputs = await step
                 finally:
                     self._step_started = None
                 deltas, stopped = self.output_processor.process(outputs)
                 if stopped:
                     self.engine.stop_requests(stopped)
                 self._stats = self.engine.stats()
+                record = None
                 if self.engine.num_steps > num_steps:
-                    self._recorder.step(self.engine, len(outputs))
-                self._publish(deltas)
+                    record = StepRecord.of(self.engine, len(outputs))
+                finished_step = _FinishedStep(deltas, record)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
             self._error = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    def _complete(self, finished_step: _FinishedStep) -> None:
+        """A finished step's outputs to their streams, and its metrics."""
+        if finished_step.record is not None:
+            self._recorder.step(finished_step.record)
+        self._publish(finished_step.deltas)
 
     async def _wait_for_work(self) -> None:
         """Sleep until woken; with metrics, at most `METRICS_REFRESH_S` (gauges stay exported)."""
@@ -308,16 +341,16 @@ class AsyncEngine:
                     "finish_time": state.finish_time or 0.0,
                 }
                 self._recorder.finished(state)
-            queue = self._streams.get(request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+            request_stream = self._streams.get(request_id)
+            if request_stream is not None:
+                request_stream.put(output)
                 if output.finished:
                     del self._streams[request_id]
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
-        queue = self._streams.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(exc)
+        request_stream = self._streams.pop(request_id, None)
+        if request_stream is not None:
+            request_stream.fail(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._pending.clear()
@@ -365,30 +398,3 @@ class AsyncEngine:
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
-
-    async def _stream(
-        self,
-        request_id: str,
-        queue: asyncio.Queue[RequestStepOutput | BaseException],
-        stream_interval: int | None,
-    ) -> AsyncIterator[RequestStepOutput]:
-        coalescer = StreamCoalescer(stream_interval)
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                # A reader that fell behind takes what piled up in one go.
-                while not isinstance(item, BaseException):
-                    coalescer.add(item)
-                    finished = item.finished
-                    if finished or queue.empty():
-                        break
-                    item = queue.get_nowait()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item  # what was held is dropped: the request failed
-                if coalescer.ready():
-                    yield coalescer.take()
-        finally:
-            if not finished:
-                self.abort(request_id)

@@ -4,6 +4,7 @@ request at its end, never one per token, since the loop is the engine's hot path
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedray.engine.output_processor import RequestState
@@ -12,6 +13,23 @@ from pagedray.scheduler.request import Request
 
 if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
     from pagedray.cluster.metrics import EngineMetrics
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step, as metrics see it: read from the engine when the step ends, since the
+    next step may already run (and overwrite the engine's fields) when it is recorded."""
+
+    end_time: float  # time.monotonic()
+    duration: float  # seconds
+    batch_size: int  # sequences scheduled
+    num_outputs: int  # sequences that sampled a token
+
+    @classmethod
+    def of(cls, engine: EngineCore, num_outputs: int) -> StepRecord:
+        return cls(
+            engine.last_step_time, engine.last_step_duration, engine.last_batch_size, num_outputs
+        )
 
 
 class StepMetricsRecorder:
@@ -34,20 +52,21 @@ class StepMetricsRecorder:
     def idle(self) -> None:
         self._last_output_time = None  # an idle gap is no inter-token latency
 
-    def step(self, engine: EngineCore, num_outputs: int) -> None:
+    def step(self, step: StepRecord) -> None:
         if self.metrics is None:
             return
+        num_outputs = step.num_outputs
         # NOTE: one output per sequence that sampled, one token each. One inter-token latency
         # per step, not per token: every sequence that also got a token in the previous token
         # step waited this same interval (a step of first tokens only would count one too).
         inter_token_latency = None
         if num_outputs:
-            now = engine.last_step_time
+            now = step.end_time
             if self._last_output_time is not None:
                 inter_token_latency = now - self._last_output_time
             self._last_output_time = now
         self.metrics.record_step(
-            engine.last_step_duration, engine.last_batch_size, num_outputs, inter_token_latency
+            step.duration, step.batch_size, num_outputs, inter_token_latency
         )
 
     def finished(self, state: RequestState) -> None:

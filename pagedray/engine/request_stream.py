@@ -1,0 +1,54 @@
+"""One request's way out of the engine loop: the outputs held back for `--stream-interval`, the
+queue its reader waits on, and the reading itself.
+
+What is held back (`StreamCoalescer`) stays on the loop's side, so a reader is woken only when
+there is something to send: a client that does not stream wakes once, at the end, instead of
+every step (the loop then spends less time, and holds the GIL less, beside the running model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer, merge_step_outputs
+
+
+class RequestStream:
+    """Outputs in, coalesced; read once, by the request's caller."""
+
+    def __init__(self, stream_interval: int | None) -> None:
+        self.coalescer = StreamCoalescer(stream_interval)
+        self.queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
+
+    def put(self, output: RequestStepOutput) -> None:
+        self.coalescer.add(output)
+        if self.coalescer.ready():
+            self.queue.put_nowait(self.coalescer.take())
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with `exc`; what was held is dropped (the request failed)."""
+        self.queue.put_nowait(exc)
+
+    async def read(self, on_close: Callable[[], None]) -> AsyncIterator[RequestStepOutput]:
+        """The outputs until the finished one (or the failure, raised); closing or cancelling it
+        before the end calls `on_close` (which aborts the request)."""
+        finished = False
+        try:
+            while not finished:
+                item = await self.queue.get()
+                # A reader that fell behind takes what piled up as one output.
+                batch: list[RequestStepOutput] = []
+                while not isinstance(item, BaseException):
+                    batch.append(item)
+                    if item.finished or self.queue.empty():
+                        break
+                    item = self.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = batch[-1].finished
+                yield batch[0] if len(batch) == 1 else merge_step_outputs(batch)
+        finally:
+            if not finished:
+                on_close()
