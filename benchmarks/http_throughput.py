@@ -61,6 +61,7 @@ class Run:
     ttft_s: list[float] = field(default_factory=list)  # per request, streaming only
     # CPU seconds over the run by process role (the server's processes; offline: this one).
     cpu_by_role: dict[str, float] = field(default_factory=dict)
+    client_cpu_s: float = 0.0  # the HTTP client's (this process's) CPU seconds over the run
 
     def cpu_ms_per_token(self) -> float:
         return 1000 * sum(self.cpu_by_role.values()) / max(1, self.num_output_tokens)
@@ -143,12 +144,17 @@ def _role_of(pid: int) -> str:
         ("OpenAIIngress", "ingress replica"),
         ("ProxyActor", "Serve proxy"),
         ("WorkerActor", "worker actors"),
-        ("ServeController", "Ray and Serve daemons"),
+        ("ServeController", "Serve controller"),
         ("pagedray serve", "pagedray serve CLI"),
+        ("raylet", "raylet"),
+        ("gcs_server", "GCS"),
+        ("dashboard", "Ray dashboard and agents"),
+        ("DashboardAgent", "Ray dashboard and agents"),
+        ("RuntimeEnvAgent", "Ray dashboard and agents"),
     ):
         if marker in title:
             return role
-    return "Ray and Serve daemons"
+    return "other Ray processes"
 
 
 class ServerCpu:
@@ -374,6 +380,7 @@ async def send_all(
         warmup = workload.warmup_prompts[0], workload.warmup_output_lens[0]
         await complete(client, model, *warmup, stream, f"{salt}-warmup")  # not timed
         with OtherCpu(sessions) as others, ServerCpu(sessions[1]) as server_cpu:
+            client_cpu_start = time.process_time()
             start = time.perf_counter()
             replies = await asyncio.gather(
                 *(
@@ -382,6 +389,7 @@ async def send_all(
                 )
             )
             wall_s = time.perf_counter() - start
+            server_cpu.by_role["client"] = time.process_time() - client_cpu_start
         return wall_s, replies, others.others_s, server_cpu.by_role
 
 
@@ -391,10 +399,13 @@ def run_http(server: Server, workload: Workload, stream: bool, tp: int) -> Run:
     wall_s, replies, others_s, cpu_by_role = asyncio.run(
         send_all(server.url, workload, stream, f"{name} tp{tp}", sessions)
     )
+    client_cpu_s = cpu_by_role.pop("client")
     counts = [r.completion_tokens for r in replies]
     ttft_s = [r.ttft_s for r in replies if r.ttft_s is not None]
     texts = [r.text for r in replies]
-    return Run(name, tp, wall_s, sum(counts), texts, counts, others_s, ttft_s, cpu_by_role)
+    run = Run(name, tp, wall_s, sum(counts), texts, counts, others_s, ttft_s, cpu_by_role)
+    run.client_cpu_s = client_cpu_s
+    return run
 
 
 def run_server(
@@ -434,6 +445,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def median_runs(runs: list[Run]) -> list[Run]:
+    """Per system (name and TP), the run of median throughput, in first-seen order."""
+    groups: dict[tuple[str, int], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.name, run.tp), []).append(run)
+    medians = []
+    for (name, tp), group in groups.items():
+        ordered = sorted(group, key=lambda run: run.output_tok_s)
+        if len(group) > 1:
+            figures = ", ".join(f"{run.output_tok_s:.0f}" for run in group)
+            print(f"{name} tp={tp}: output tok/s per repeat {figures}")
+        medians.append(ordered[(len(ordered) - 1) // 2])
+    return medians
+
+
 def report(workload: Workload, runs: list[Run]) -> None:
     """The table, TTFTs, and a loose check of output lengths and texts against `LLM.generate`."""
     offline = {run.tp: run for run in runs if run.name == "LLM.generate"}
@@ -469,6 +495,8 @@ def report(workload: Workload, runs: list[Run]) -> None:
         line = f"  {run.name} tp={run.tp}: total {run.cpu_ms_per_token():.3f} ({roles})"
         if base is not None and run is not base and run.tp == 1:
             line += f"; serving overhead {run.cpu_ms_per_token() - base.cpu_ms_per_token():.3f}"
+        if run.client_cpu_s:
+            line += f"; the client {1000 * run.client_cpu_s / max(1, run.num_output_tokens):.3f}"
         print(line)
     print("correctness (loose):")
     for run in runs:
@@ -491,6 +519,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp2", action="store_true", help="also TP=2, 1 thread per rank")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved repeats of every system; the report shows each one's median run",
+    )
+    parser.add_argument(
         "--stream-interval", type=int, default=1, help="the server's --stream-interval (tokens)"
     )
     parser.add_argument(
@@ -509,15 +543,20 @@ def main() -> None:
     )
     print(f"prompt tokens {workload.num_prompt_tokens}, output tokens {workload.num_output_tokens}")
     runs: list[Run] = []
-    for tp, threads in [(1, args.threads)] + ([(2, 1)] if args.tp2 else []):
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(f"-- tp={tp}, {threads} thread(s) per rank; load average {load}", flush=True)
-        runs.append(run_offline(path, workload, threads, tp))
-        print_progress(runs[-1])
-        runs.extend(
-            run_server(path, workload, threads, tp, args.startup_timeout, args.stream_interval)
-        )
-    report(workload, runs)
+    for repeat in range(args.repeats):
+        for tp, threads in [(1, args.threads)] + ([(2, 1)] if args.tp2 else []):
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            print(
+                f"-- repeat {repeat + 1}/{args.repeats}, tp={tp}, {threads} thread(s) per rank; "
+                f"load average {load}",
+                flush=True,
+            )
+            runs.append(run_offline(path, workload, threads, tp))
+            print_progress(runs[-1])
+            runs.extend(
+                run_server(path, workload, threads, tp, args.startup_timeout, args.stream_interval)
+            )
+    report(workload, median_runs(runs))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`pagedray serve` on its own local Ray, seen from outside: where its ports listen and what
-its processes' command lines show (issue P5's closed surface).
+its processes' command lines show (issue P5's closed surface), and the lean path (P6): the
+ingress replica on the API port, the engine replica at full priority.
 
 With the default `--host 127.0.0.1`, the API, the dashboard, Ray's metrics export port and Ray's
 own GCS and raylet listen on loopback only; the API key given as a file is in no command line,
@@ -70,6 +71,12 @@ def test_everything_but_serve_replicas_listens_on_loopback(tiny_llama: str, tmp_
         ports = {port for _, port, _ in listeners}
         api_port = int(server.url.rsplit(":", 1)[1])
         assert {api_port, server.metrics_port} <= ports
+        # Direct ingress: the ingress replica itself listens on the API port, not Serve's proxy.
+        api_listeners = {command_line(pid) for _, port, pid in listeners if port == api_port}
+        assert api_listeners and all("OpenAIIngress" in c for c in api_listeners), api_listeners
+        # The model's threads run in the engine replica: at nice 0, not Ray's default 15.
+        engines = [pid for pid in pids if "PagedRayEngine" in command_line(pid)]
+        assert engines and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in engines)
         exposed = [
             (address, port, command_line(pid))
             for address, port, pid in listeners
