@@ -132,12 +132,20 @@ class OtherCpu:
         self.others_s = max(0.0, (busy_end - busy_start) - (ours_end - ours_start))
 
 
-def _role_of(pid: int) -> str:
-    """What a server process is, from its title (Ray names actors `ray::Class...`)."""
+def process_title(pid: int) -> str | None:
+    """A process's command line as one string (Ray and vLLM put their titles there); None if
+    it is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            title = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
+        return None
+
+
+def _role_of(pid: int) -> str:
+    """What a server process is, from its title (Ray names actors `ray::Class...`)."""
+    title = process_title(pid)
+    if title is None:
         return "gone"
     for marker, role in (
         ("PagedRayEngine", "engine replica"),

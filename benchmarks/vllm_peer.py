@@ -1,0 +1,382 @@
+"""pagedray side by side with vLLM's CPU build: same model, same workload, same run, as ratios.
+
+Optional (CI does not run it): vLLM's CPU build lives in a venv of its own (--venv), run by its
+interpreter; the script exits with a message when that venv is absent. guidellm drives the servers.
+
+    .venv/bin/python benchmarks/vllm_peer.py            # about 10-15 minutes on 2 cores
+    .venv/bin/python benchmarks/vllm_peer.py --quick    # a smoke run, a few minutes
+
+What it measures, both systems in the same run:
+1. Offline: output tok/s of pagedray's and vLLM's `LLM.generate` on `offline_throughput.py`'s
+   seeded workload (token-id prompts, per-request output lengths, EOS ignored, greedy, fp32,
+   prefix caching off in both since repeats resend the same prompts). vLLM runs in a subprocess
+   that keeps its engine and times `generate` alone; the runs alternate (ABBA) between the
+   systems, `--repeats` each, and the medians are compared.
+2. Served: `pagedray serve` and vLLM's OpenAI server one after the other, each through the same
+   guidellm sweep (synthetic 128-token prompts, 64 output tokens, EOS ignored, streamed chat
+   completions: the model has a chat template): synchronous, then 64 concurrent streams, each
+   bounded by a request count and a duration. TTFT, ITL and request latency medians and output
+   tok/s, as pagedray/vLLM ratios, and each server's concurrent tok/s over its offline tok/s.
+   NOTE: on 2 cores vLLM's API process often gets no CPU while the engine steps, so a request's
+   tokens reach the client in one burst (ITL near 0, TTFT near the whole latency): the report
+   says how many requests did; compare latency there rather than TTFT or ITL alone.
+3. CPU of each server's processes (and of guidellm) over the concurrent run, from /proc sampled
+   every 0.5 s and cut at guidellm's start and end times, in ms per output token.
+
+vLLM settings (environment variables read by its CPU platform; flags change them):
+- VLLM_CPU_KVCACHE_SPACE=2 (GiB): pagedray's CPU pool is min(4 GiB, max_num_seqs x max_model_len
+  tokens), 2 GiB for this model (4 KiB per token, 524,288 tokens); vLLM's 2 GiB holds the same
+  524,288 tokens (its default would be 4 GiB).
+- VLLM_CPU_OMP_THREADS_BIND=0-1: "auto" reserves one of the two cores for its engine-core and API
+  processes and leaves the model worker one OpenMP thread; pagedray runs 2 torch threads with its
+  Ray processes beside them, so vLLM's worker gets the same two threads, bound to the two cores
+  (in a --quick run, "auto" gave vLLM 1,572 concurrent tok/s, "0-1" 1,913). "nobind" would leave
+  Intel OpenMP's 200 ms spin-wait in place of the 5 ms vLLM sets when it binds.
+  VLLM_CPU_NUM_OF_RESERVED_CPU is left unset: only the "auto" binding reads it.
+- LD_PRELOAD of tcmalloc and the venv's Intel OpenMP (libiomp5), as vLLM's CPU docs recommend.
+- Everything else at vLLM's defaults (block size 128 on CPU, its own batch limits, torch.compile
+  of the model at start-up); pagedray at its own (2 threads, `--stream-interval 1`, as vLLM's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+# NOTE: run as a script, this directory is on sys.path.
+from http_throughput import CONTENDED, OtherCpu, Server, ServerCpu, _role_of
+from offline_throughput import NUM_CHECKED, Workload, benchmark_workload
+from vllm_peer_tools import (
+    CpuTimeline,
+    Guidellm,
+    Profile,
+    VllmEnv,
+    VllmOffline,
+    VllmServer,
+    vllm_role,
+    wait_quiet,
+)
+
+SYSTEMS = ("pagedray", "vLLM")
+PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64  # the served workload, per request
+# (count, seconds) bounds per guidellm profile: full, quick.
+SYNC_BOUNDS = {False: (40, 60.0), True: (8, 20.0)}
+CONCURRENT_BOUNDS = {False: (384, 120.0), True: (128, 45.0)}
+
+
+# ---- offline ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Offline:
+    """Each system's timed offline runs, in the order they ran."""
+
+    tok_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    others_share: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    # CPU the other, idle system used during each run, as a share of one CPU.
+    idle_cpu_share: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    token_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # first requests, last run
+    wrong_lengths: dict[str, int] = field(default_factory=dict)  # requests off their target
+    notes: list[str] = field(default_factory=list)
+
+    def median(self, system: str) -> float:
+        return statistics.median(self.tok_s[system])
+
+
+def run_offline(
+    path: str, workload: Workload, env: VllmEnv, threads: int, repeats: int, log_dir: Path
+) -> Offline:
+    from pagedray import LLM, SamplingParams
+
+    result = Offline()
+    llm = LLM(path, dtype="float32", num_threads=threads, enable_prefix_caching=False)
+
+    def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+    peer = None
+    try:
+        generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
+        peer = VllmOffline(env, path, workload, log_dir)
+        result.notes.append(f"vLLM engine: {peer.config}")
+        for repeat in range(repeats):
+            # ABBA: each system runs first as often as second, against drift in the machine.
+            for system in SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]:
+                timed_run(system, generate, peer, workload, result)
+                print(f"offline {system}: {result.tok_s[system][-1]:.1f} output tok/s", flush=True)
+    finally:
+        if peer is not None:
+            peer.close()
+        llm.shutdown()
+    return result
+
+
+def timed_run(
+    system: str,
+    generate: Callable[[list[list[int]], list[int]], list[list[int]]],
+    peer: VllmOffline,
+    workload: Workload,
+    result: Offline,
+) -> None:
+    """One timed pass through `system`, with the CPU the idle system and other processes used."""
+    sessions = [os.getsid(0), peer.proc.pid]
+    wait_quiet(sessions)
+    with OtherCpu(sessions) as others, ServerCpu(peer.proc.pid) as peer_cpu:
+        start, own_cpu_start = time.perf_counter(), time.process_time()
+        if system == "pagedray":
+            token_ids = generate(workload.prompts, workload.output_lens)
+            wall_s = time.perf_counter() - start
+            counts = [len(t) for t in token_ids]
+        else:
+            reply = peer.run()  # timed in vLLM's process, around generate alone
+            wall_s, token_ids, counts = reply["wall_s"], reply["token_ids"], reply["counts"]
+        window_s = time.perf_counter() - start
+        own_cpu_s = time.process_time() - own_cpu_start
+    idle_s = own_cpu_s if system == "vLLM" else sum(peer_cpu.by_role.values())
+    result.idle_cpu_share[system].append(idle_s / window_s)
+    result.tok_s[system].append(sum(counts) / wall_s)
+    result.others_share[system].append(others.others_s / (window_s * (os.cpu_count() or 1)))
+    result.token_ids[system] = token_ids[:NUM_CHECKED]
+    result.wrong_lengths[system] = sum(c != n for c, n in zip(counts, workload.output_lens))
+
+
+# ---- served ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """One server through the guidellm sweep."""
+
+    startup_s: float
+    sync: Profile
+    concurrent: Profile
+    cpu_by_role: dict[str, float]  # CPU seconds over the concurrent benchmark, by process role
+    others_share: float  # other processes' CPU over it, as a share of every CPU
+
+    def cpu_ms_per_token(self, roles: list[str]) -> float:
+        seconds = sum(self.cpu_by_role.get(role, 0.0) for role in roles)
+        return 1000 * seconds / max(1, self.concurrent.num_output_tokens)
+
+
+def warm_up(url: str) -> None:
+    """One short chat request, untimed, so that neither server's first request is measured."""
+    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+
+def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) -> Served:
+    log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_peer_{system}_"))
+    server: Server
+    if system == "pagedray":
+        server, role_of = Server(path, args.threads, 1, log_dir), _role_of
+    else:
+        server, role_of = VllmServer(env, path, log_dir), vllm_role
+    guidellm = Guidellm(
+        args.guidellm, path, args.request_format, PROMPT_TOKENS, OUTPUT_TOKENS, log_dir
+    )
+    with CpuTimeline() as timeline:
+        timeline.watch(os.getsid(0), lambda pid: "benchmark")
+        timeline.watch(server.proc.pid, role_of)
+        try:
+            startup_s = server.wait_healthy(args.startup_timeout)
+            print(f"{system} server healthy after {startup_s:.0f} s", flush=True)
+            warm_up(server.url)
+            sync = guidellm.run(
+                server.url, "kind=synchronous", *SYNC_BOUNDS[args.quick], "sync", timeline
+            )
+            print(f"{system} synchronous: {sync.output_tok_s:.1f} output tok/s", flush=True)
+            concurrent = guidellm.run(
+                server.url,
+                f"kind=concurrent,streams={args.streams}",
+                *CONCURRENT_BOUNDS[args.quick],
+                "concurrent",
+                timeline,
+            )
+            print(f"{system} concurrent: {concurrent.output_tok_s:.1f} output tok/s", flush=True)
+        except BaseException:
+            print(f"{system} sweep failed; logs stay in {log_dir}", flush=True)
+            raise
+        finally:
+            print(f"{system} server stopped ({server.stop()})", flush=True)
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the sweep failed
+    by_role, others_s, window_s = timeline.window(concurrent.start, concurrent.end)
+    by_role.pop("benchmark", None)
+    others_share = others_s / (window_s * (os.cpu_count() or 1))
+    return Served(startup_s, sync, concurrent, by_role, others_share)
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs else "-"
+
+
+def report_offline(workload: Workload, offline: Offline) -> None:
+    print(
+        f"\nOffline LLM.generate: {len(workload.prompts)} requests, {workload.num_prompt_tokens} "
+        f"prompt / {workload.num_output_tokens} output tokens; median of "
+        f"{len(offline.tok_s['pagedray'])} interleaved runs each"
+    )
+    print(f"{'system':<10}{'out tok/s':>11}   runs")
+    for system in SYSTEMS:
+        runs = ", ".join(f"{x:.0f}" for x in offline.tok_s[system])
+        print(f"{system:<10}{offline.median(system):>11.1f}   {runs}")
+    print(f"pagedray / vLLM: {ratio(offline.median('pagedray'), offline.median('vLLM'))}")
+    for note in offline.notes:
+        print(f"  {note}")
+    for system in SYSTEMS:
+        other = SYSTEMS[1 - SYSTEMS.index(system)]
+        idle = max(offline.idle_cpu_share[system], default=0.0)
+        print(f"  {other}'s CPU while idle during {system}'s runs: at most {idle:.0%} of a CPU")
+        if offline.wrong_lengths.get(system):
+            print(f"  {system}: {offline.wrong_lengths[system]} requests off their output length")
+        if max(offline.others_share[system], default=0.0) >= CONTENDED:
+            print(f"WARNING: other processes used the CPUs during {system}'s offline runs")
+    verdicts = []
+    ours, theirs = offline.token_ids.get("pagedray", []), offline.token_ids.get("vLLM", [])
+    for a, b in zip(ours, theirs):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        verdicts.append("same" if a == b else f"differs at token {first}")
+    print(f"  greedy tokens, pagedray vs vLLM, requests 0-{len(verdicts) - 1}: {verdicts}")
+
+
+def report_served(served: dict[str, list[Served]], offline: Offline | None, streams: int) -> None:
+    rounds = len(served["pagedray"])
+    print(
+        f"\nServed through guidellm ({PROMPT_TOKENS} prompt / {OUTPUT_TOKENS} output tokens, "
+        f"streamed; median of {rounds} round(s)); ratios: higher is better for tok/s, "
+        "lower for TTFT and ITL"
+    )
+    print(f"{'profile':<16}{'metric':<16}{'pagedray':>10}{'vLLM':>10}{'pagedray/vLLM':>15}")
+    rows: list[tuple[str, str, Any]] = [
+        ("synchronous", "TTFT ms", lambda s: s.sync.ttft_ms),
+        ("", "ITL ms", lambda s: s.sync.itl_ms),
+        ("", "latency ms", lambda s: s.sync.latency_ms),
+        ("", "out tok/s", lambda s: s.sync.output_tok_s),
+        (f"concurrent {streams}", "out tok/s", lambda s: s.concurrent.output_tok_s),
+        ("", "TTFT ms", lambda s: s.concurrent.ttft_ms),
+        ("", "ITL ms", lambda s: s.concurrent.itl_ms),
+        ("", "latency ms", lambda s: s.concurrent.latency_ms),
+    ]
+    for profile, metric, get in rows:
+        ours, theirs = (statistics.median(get(s) for s in served[x]) for x in SYSTEMS)
+        print(f"{profile:<16}{metric:<16}{ours:>10.1f}{theirs:>10.1f}{ratio(ours, theirs):>15}")
+    for system in SYSTEMS:
+        runs = served[system]
+        line = f"  {system}: start-up {statistics.median(s.startup_s for s in runs):.0f} s"
+        ok = sum(s.sync.num_requests + s.concurrent.num_requests for s in runs)
+        errored = sum(s.sync.num_errored + s.concurrent.num_errored for s in runs)
+        line += f", requests ok {ok}, errored {errored}"
+        bursts = max(max(s.sync.burst_share, s.concurrent.burst_share) for s in runs)
+        if bursts:
+            line += f", up to {bursts:.0%} of a profile's requests streamed in one burst"
+        line += f"; concurrent tok/s by round {[round(s.concurrent.output_tok_s) for s in runs]}"
+        if offline is not None:
+            conc = statistics.median(s.concurrent.output_tok_s for s in runs)
+            line += f"; served (concurrent) / offline: {ratio(conc, offline.median(system))}"
+        print(line)
+    print(f"CPU over the concurrent-{streams} run, ms per output token, by process (medians):")
+    for system in SYSTEMS:
+        runs = served[system]
+        roles = {role for s in runs for role in s.cpu_by_role} - {"guidellm client"}
+
+        def ms(roles: list[str], runs: list[Served] = runs) -> float:
+            return statistics.median(s.cpu_ms_per_token(roles) for s in runs)
+
+        parts = ", ".join(f"{r} {ms([r]):.3f}" for r in sorted(roles, key=lambda r: -ms([r])))
+        client = ms(["guidellm client"])
+        print(f"  {system}: server {ms(sorted(roles)):.3f} ({parts}); guidellm client {client:.3f}")
+        if max(s.others_share for s in runs) >= CONTENDED:
+            print(f"WARNING: other processes used the CPUs during {system}'s concurrent run(s)")
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help="16 short offline requests, short guidellm runs")
+    add("--num-requests", type=int, default=None, help="offline requests (default 64, quick 16)")
+    add("--repeats", type=int, default=3, help="offline runs per system, interleaved")
+    add("--rounds", type=int, default=None, help="served sweeps per system (default 3, quick 1)")
+    add("--parts", default="offline,served", help="comma-separated: offline, served")
+    add("--threads", type=int, default=2, help="pagedray's torch threads")
+    add("--streams", type=int, default=64, help="guidellm's concurrent streams")
+    add("--seed", type=int, default=0, help="seeds the offline workload")
+    add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    default_venv = os.environ.get("PAGEDRAY_VLLM_VENV", "/work/vllm-cpu-venv")
+    add("--venv", default=default_venv, help="vLLM's CPU venv")
+    add("--vllm-python", default=None, help="its interpreter (default VENV/bin/python)")
+    add("--preload", default=None, help="LD_PRELOAD for vLLM (default tcmalloc, VENV's iomp5)")
+    add("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    add("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (auto, nobind, 0-1, ...)")
+    add("--guidellm", default="/work/clients-venv/bin/guidellm", help="guidellm executable")
+    add(
+        "--request-format",
+        default="",
+        help="guidellm's request_format (default its own: streamed /v1/chat/completions)",
+    )
+    return parser.parse_args()
+
+
+def vllm_env(args: argparse.Namespace) -> VllmEnv:
+    venv = Path(args.venv)
+    preload = args.preload
+    if preload is None:
+        tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+        preload = f"{tcmalloc}:{venv / 'lib' / 'libiomp5.so'}"
+    python = Path(args.vllm_python) if args.vllm_python else venv / "bin" / "python"
+    return VllmEnv(venv, python, preload, args.kv_space_gib, args.omp_bind)
+
+
+def main() -> None:
+    args = parse_args()
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if parts - {"offline", "served"}:
+        raise SystemExit(f"--parts: unknown {sorted(parts - {'offline', 'served'})}")
+    env = vllm_env(args)
+    env.check()
+    if "served" in parts and not Path(args.guidellm).exists():
+        raise SystemExit(f"guidellm not found at {args.guidellm}: pass --guidellm")
+    num_requests = args.num_requests or (16 if args.quick else 64)
+    path, workload = benchmark_workload(num_requests, args.quick, args.seed)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"model {path}; pagedray {args.threads} threads; load average {load}")
+    print(
+        f"vLLM: {env.python}, KV {env.kv_space_gib} GiB, OMP bind {env.omp_bind!r}, "
+        f"LD_PRELOAD {env.preload}"
+    )
+    offline = None
+    if "offline" in parts:
+        log_dir = Path(tempfile.mkdtemp(prefix="vllm_peer_offline_"))
+        offline = run_offline(path, workload, env, args.threads, args.repeats, log_dir)
+        shutil.rmtree(log_dir, ignore_errors=True)  # kept, with vLLM's log, when it failed
+    served: dict[str, list[Served]] = {system: [] for system in SYSTEMS}
+    if "served" in parts:
+        for round_idx in range(args.rounds or (1 if args.quick else 3)):
+            for system in SYSTEMS if round_idx % 2 == 0 else SYSTEMS[::-1]:
+                served[system].append(serve_sweep(system, args, env, path))
+    if offline is not None:
+        report_offline(workload, offline)
+    if "served" in parts:
+        report_served(served, offline, args.streams)
+
+
+if __name__ == "__main__":
+    main()
