@@ -1,8 +1,8 @@
 """The engine core driven from asyncio: many concurrent requests, one continuous-batching loop.
 
 `EngineCore` is synchronous and not thread-safe, so every call into it happens on the event loop
-while no step is in flight; only `step()` itself runs in a thread, which keeps the loop free to
-accept requests, aborts and health checks while the model runs.
+while no step is in flight; only `step()` runs in a thread, which keeps the loop free for
+requests, aborts, health checks and the last step's bookkeeping while the model runs.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ class AsyncEngine:
         metrics: EngineMetrics | None = None,
         request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
-        """`metrics`, when given, is recorded every step and at every request's finish;
-        `request_timeout_s` None lets requests run as long as they need."""
+        """`metrics`: recorded every step and at every finish; `request_timeout_s` None: none."""
         self.engine = engine
         self.output_processor = output_processor
         self.stuck_after_s = stuck_after_s
@@ -235,7 +234,6 @@ class AsyncEngine:
                         finished_step = None
                     self._expire_deadlines()
                     self._recorder.stats(self._stats)
-                    self._recorder.idle()
                     self._wakeup.clear()
                     await self._wait_for_work()
                     continue
@@ -268,7 +266,9 @@ class AsyncEngine:
     def _complete(self, finished_step: _FinishedStep) -> None:
         """A finished step's outputs to their streams, and its metrics."""
         if finished_step.record is not None:
-            self._recorder.step(finished_step.record)
+            deltas = finished_step.deltas
+            advanced = list(dict.fromkeys(d.request_id for d in deltas if d.token_ids))
+            self._recorder.step(finished_step.record, advanced)
         self._publish(finished_step.deltas)
 
     async def _wait_for_work(self) -> None:

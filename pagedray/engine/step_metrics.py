@@ -39,7 +39,8 @@ class StepMetricsRecorder:
         self.metrics = metrics
         # Scheduler-side state of live requests, kept for their queue time.
         self._requests: dict[str, Request] = {}
-        self._last_output_time: float | None = None  # time.monotonic() of the last token step
+        # time.monotonic() of each live request's last token: its next token's latency.
+        self._last_token_time: dict[str, float] = {}
 
     def stats(self, stats: dict[str, float]) -> None:
         if self.metrics is not None:
@@ -49,28 +50,24 @@ class StepMetricsRecorder:
         if self.metrics is not None:
             self._requests[request.req_id] = request
 
-    def idle(self) -> None:
-        self._last_output_time = None  # an idle gap is no inter-token latency
-
-    def step(self, step: StepRecord) -> None:
+    def step(self, step: StepRecord, request_ids: list[str]) -> None:
+        """A step; `request_ids` got tokens in it. Each of them that had a token before
+        observes its own inter-token latency (as vLLM: per request, per step it advanced), so
+        a request that waited, preempted, shows the wait its client saw."""
         if self.metrics is None:
             return
-        num_outputs = step.num_outputs
-        # NOTE: one output per sequence that sampled, one token each. One inter-token latency
-        # per step, not per token: every sequence that also got a token in the previous token
-        # step waited this same interval (a step of first tokens only would count one too).
-        inter_token_latency = None
-        if num_outputs:
-            now = step.end_time
-            if self._last_output_time is not None:
-                inter_token_latency = now - self._last_output_time
-            self._last_output_time = now
-        self.metrics.record_step(
-            step.duration, step.batch_size, num_outputs, inter_token_latency
-        )
+        now = step.end_time
+        latencies = []
+        for request_id in request_ids:
+            last = self._last_token_time.get(request_id)
+            if last is not None:
+                latencies.append(now - last)
+            self._last_token_time[request_id] = now
+        self.metrics.record_step(step.duration, step.batch_size, step.num_outputs, latencies)
 
     def finished(self, state: RequestState) -> None:
         request = self._requests.pop(state.request_id, None)
+        self._last_token_time.pop(state.request_id, None)
         if self.metrics is None:
             return
         finish_time = state.finish_time or time.time()
@@ -87,8 +84,10 @@ class StepMetricsRecorder:
     def aborted(self, request_id: str, state: RequestState | None) -> None:
         """A request that ended without success (aborted, failed): its prefill still counts."""
         self._requests.pop(request_id, None)
+        self._last_token_time.pop(request_id, None)
         if self.metrics is not None and state is not None and state.first_token_time is not None:
             self.metrics.record_prefilled(len(state.prompt_token_ids))
 
     def clear(self) -> None:
         self._requests.clear()
+        self._last_token_time.clear()

@@ -133,7 +133,7 @@ def test_scheduler_totals_become_counter_deltas() -> None:
     assert [v for v, _ in recorders["prefix_cache_hits"].values] == [16, 32]
     assert [v for v, _ in recorders["num_preemptions"].values] == [1]
     assert recorders["kv_cache_usage_perc"].last == 0.5
-    metrics.record_step(0.01, 1, 0, None)  # a step of prefill chunks only
+    metrics.record_step(0.01, 1, 0, [])  # a step of prefill chunks only
     metrics.record_prefilled(0)
     assert not recorders["generation_tokens"].values and not recorders["prompt_tokens"].values
 
@@ -154,8 +154,8 @@ def test_engine_records_steps_and_finished_requests(tiny_llama: str) -> None:
     assert recorders["batch_size"].total == len(prompts) * MAX_TOKENS
     assert recorders["generation_tokens"].total == len(prompts) * MAX_TOKENS
     assert recorders["prompt_tokens"].total == sum(len(p) for p in prompts)
-    # Two busy stretches: every token step but the first of each follows another.
-    assert len(recorders["inter_token_latency"].values) == num_steps - 2
+    # One per token after a request's first (per request per step, as vLLM).
+    assert len(recorders["inter_token_latency"].values) == len(prompts) * (MAX_TOKENS - 1)
     assert [tags for _, tags in recorders["request_success"].values] == [
         {"finished_reason": "length"}
     ] * len(prompts)
