@@ -1,8 +1,14 @@
-"""The ingress's control calls to the engine replicas: health, stats and the engine's limits.
+"""The ingress's control calls to the engine replicas: readiness, health, stats and limits.
 
 Each is a broadcast to every replica. What a failed replica said (an actor death, a timeout) is
 logged under a request id and replaced by an opaque "engine unavailable (request ...)": clients
 see that something is down, not the cluster's internals.
+
+Readiness is one fact for every route that needs the engine: until Serve reports the engine
+deployment HEALTHY (all its target replicas running) and every replica answers its health
+check, /health, /v1/models and the generation routes answer 503. Benchmark clients (guidellm,
+aiperf) probe /v1/models once and then send load, so a 200 there must mean the engine serves.
+Once ready, it stays ready: a later failure shows per request and on /health.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
+from ray import serve
 
 from pagedray.engine.config import EngineConfig
 from pagedray.openai.serving import engine_unavailable
@@ -32,6 +39,8 @@ class EngineControl:
         self.max_num_waiting: int | None = None
         self._limits_known = False
         self._lock = asyncio.Lock()
+        self.ready = False
+        self._ready_lock = asyncio.Lock()
 
     async def broadcast(self, method: str, request_id: str) -> list[dict[str, Any]] | Response:
         """Every replica's answer to `method`, a failed one as an unhealthy entry; a 503 if no
@@ -54,9 +63,53 @@ class EngineControl:
             answers.append({"healthy": False, "error": error})
         return answers
 
+    async def not_ready(self, request_id: str) -> Response | None:
+        """None once every engine replica can serve; until then the 503 to answer."""
+        if self.ready:
+            return None
+        response = await self.health(request_id)
+        return None if response.status_code == 200 else response
+
     async def health(self, request_id: str) -> Response:
         """200 `ok`, 200 `degraded` (a replica is saturated but steps), or 503 if a replica
-        cannot step; nothing else (no replica ids, no step counts, no errors)."""
+        cannot step or the engine is not ready yet; nothing else (no replica ids, no step
+        counts, no errors)."""
+        if not self.ready:
+            return await self._become_ready(request_id)
+        return await self._replica_health(request_id)
+
+    async def _become_ready(self, request_id: str) -> Response:
+        # One check at a time: requests arriving meanwhile wait for its answer.
+        async with self._ready_lock:
+            if self.ready:
+                return await self._replica_health(request_id)
+            state = await self._deployment_state()
+            if state != "HEALTHY":
+                logger.debug("%s: engine not ready: deployment %s", request_id, state)
+                return engine_unavailable(request_id)
+            response = await self._replica_health(request_id)
+            if response.status_code == 200:
+                logger.info("engine ready: every replica of %s serves", self._deployment_name)
+                self.ready = True
+            return response
+
+    @property
+    def _deployment_name(self) -> str:
+        return f"{self.engine.app_name}/{self.engine.deployment_name}"
+
+    async def _deployment_state(self) -> str:
+        """Serve's status of the engine deployment: HEALTHY once its target replicas run."""
+        try:
+            # NOTE: a blocking call to Serve's controller, so in a thread; made only until ready.
+            status = await asyncio.to_thread(serve.status)
+            app = status.applications[self.engine.app_name]
+            state = app.deployments[self.engine.deployment_name].status
+            return str(getattr(state, "value", state))
+        except Exception as exc:  # noqa: BLE001 - not ready is the answer, the cause is logged
+            logger.warning("engine deployment status unknown: %r", exc)
+            return "UNKNOWN"
+
+    async def _replica_health(self, request_id: str) -> Response:
         replicas = await self.broadcast("health", request_id)
         if isinstance(replicas, Response):
             return replicas

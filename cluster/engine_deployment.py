@@ -36,6 +36,9 @@ DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
 logger = logging.getLogger(__name__)
+# A child of Serve's logger: its records land in this replica's Serve log, at the deployment's
+# `logging_config.log_level`.
+call_logger = logging.getLogger("ray.serve.pagedray.engine")
 
 
 @serve.deployment(
@@ -43,6 +46,11 @@ logger = logging.getLogger(__name__)
     max_ongoing_requests=MAX_ONGOING_REQUESTS,
     health_check_period_s=DEFAULT_HEALTH_CHECK_PERIOD_S,
     health_check_timeout_s=30.0,
+    # The ingress writes the one access line per HTTP request; Serve's per-call line here (each
+    # generate, health and stats call) is off, and `generate` logs its own at DEBUG. NOTE: being
+    # set, it is not replaced by an application-level `logging_config` (Serve applies that only
+    # to deployments without one); a Serve config sets this deployment's own to change it.
+    logging_config={"enable_access_log": False},
 )
 class EngineDeployment:
     """One engine: scheduler and KV block table here, TP workers in this replica's group."""
@@ -81,6 +89,9 @@ class EngineDeployment:
         an output with `error` set (never raised), so the caller can map them to HTTP statuses.
         """
         request_id = request["request_id"]
+        call_logger.debug(
+            "generate %s: %d prompt tokens", request_id, len(request["prompt_token_ids"])
+        )
         try:
             stream = self.engine.add_request(
                 request_id,

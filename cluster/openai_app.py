@@ -24,9 +24,16 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedray.cluster.client_disconnect import ClientDisconnect
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
 from pagedray.cluster.metrics import IngressMetrics
+from pagedray.cluster.metrics_endpoint import (
+    CONTENT_TYPE,
+    export_urls,
+    fetch_exports,
+    merge_pagedray_families,
+)
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import load_tokenizer, make_validator
 from pagedray.engine.prompts import ValidatedPrompt
@@ -103,6 +110,8 @@ def _replica_guard() -> GuardSettings:
 # Added first, so it runs inside the metrics middleware, which then sees its answers.
 app.add_middleware(IngressGuard, settings_of=_replica_guard, routes=app.router.routes)
 app.add_middleware(HTTPMetricsMiddleware, metrics_of=_replica_metrics)
+# Outermost, so every reader of the body (the guard included) sees a hang-up as a disconnect.
+app.add_middleware(ClientDisconnect)
 declare_request_models(
     app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
 )
@@ -130,7 +139,7 @@ class OpenAIIngress:
     """Tokenizer-side work and protocol; generation goes to the engine deployment.
 
     `api_key_sha256` is the key's SHA-256 (the key itself never reaches Serve's deployment
-    arguments or dashboard); every route but /health requires the key when it is set.
+    arguments or dashboard); every route but /health and /metrics requires the key when set.
     """
 
     def __init__(
@@ -159,6 +168,10 @@ class OpenAIIngress:
         responses=responses(CompletionResponse, stream=True),
     )
     async def completions(self, raw: Request) -> Response:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        not_ready = await self.control.not_ready(request_id)
+        if not_ready is not None:
+            return not_ready
         body = await self._parse(raw, CompletionRequest)
         if isinstance(body, Response):
             return body
@@ -174,7 +187,7 @@ class OpenAIIngress:
         except ValueError as exc:
             return bad_request(exc)
         ctx = ResponseContext(
-            request_id=f"cmpl-{uuid.uuid4().hex}",
+            request_id=request_id,
             model=self.model_name,
             n=params.n,
             num_prompts=len(prompts),
@@ -197,6 +210,10 @@ class OpenAIIngress:
         responses=responses(ChatCompletionResponse, stream=True),
     )
     async def chat_completions(self, raw: Request) -> Response:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        not_ready = await self.control.not_ready(request_id)
+        if not_ready is not None:
+            return not_ready
         body = await self._parse(raw, ChatCompletionRequest)
         if isinstance(body, Response):
             return body
@@ -206,7 +223,7 @@ class OpenAIIngress:
         except ValueError as exc:
             return bad_request(exc)
         ctx = ResponseContext(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=request_id,
             model=self.model_name,
             n=params.n,
             num_prompts=1,
@@ -223,8 +240,13 @@ class OpenAIIngress:
 
     # ---- models, tokenizer ------------------------------------------------------------------
 
-    @app.get("/v1/models", responses=responses(ModelList, errors=(401,)))
+    @app.get("/v1/models", responses=responses(ModelList, errors=(401, 503)))
     async def models(self) -> Response:
+        """The served model, with the engine's real max_model_len; 503 until the engine serves
+        (clients take a 200 here to mean they may send requests)."""
+        not_ready = await self.control.not_ready(f"models-{uuid.uuid4().hex}")
+        if not_ready is not None:
+            return not_ready
         card = ModelCard(
             id=self.model_name,
             root=self.config.model,
@@ -280,6 +302,17 @@ class OpenAIIngress:
         if isinstance(replicas, Response):
             return replicas
         return JSONResponse({"model": self.model_name, "replicas": replicas})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(self) -> Response:
+        """Prometheus text: the pagedray series of every node's Ray metrics export (vLLM serves
+        its metrics here too, without the API key)."""
+        texts = await fetch_exports(await self._in_thread(export_urls))
+        if not texts:
+            message = "metrics unavailable: no Ray metrics export answered"
+            return error_response(503, message, "ServiceUnavailableError")
+        body = await self._in_thread(merge_pagedray_families, texts)
+        return Response(body, media_type=CONTENT_TYPE)
 
     # ---- helpers ---------------------------------------------------------------------------
 

@@ -71,13 +71,24 @@ class Scheduler:
         self._queue_keys[req.req_id] = (priority, req.arrival_time, next(self._arrival_counter))
         self._enqueue(req)
 
-    def check_limits(self, num_prompt_tokens: int, n: int) -> None:
-        """Raises ValueError if a request of this size could never be scheduled here."""
+    def check_limits(self, num_prompt_tokens: int, n: int, max_tokens: int | None = None) -> None:
+        """Raises ValueError if a request of this size could never be scheduled here.
+
+        `max_tokens` is checked only when given: the serving path refuses one that does not fit
+        beside the prompt (as vLLM does), while `add_request` leaves it out, so offline such a
+        request stops at max_model_len.
+        """
         if n > self.config.max_num_seqs:
             raise ValueError(f"n: must be at most max_num_seqs={self.config.max_num_seqs}, got {n}")
         if num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt: {num_prompt_tokens} tokens exceed max_model_len={self.max_model_len}"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: {max_tokens} does not fit beside {num_prompt_tokens} prompt tokens "
+                f"in max_model_len={self.max_model_len} ({max_tokens} > {self.max_model_len} - "
+                f"{num_prompt_tokens})"
             )
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:

@@ -129,14 +129,14 @@ class AsyncEngine:
             EngineDeadError: the loop has stopped.
             EngineOverloadedError: the waiting queue is full.
             ValueError: `request_id` is already in use, or the request exceeds the engine's
-                limits (prompt longer than the pool allows, n above max_num_seqs).
+                limits (prompt or prompt + max_tokens over the pool, n over max_num_seqs).
         """
         self.start()
         self._raise_if_dead()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         # Refused here, before the caller answers 200, rather than failing once queued.
-        self.engine.scheduler.check_limits(len(prompt_token_ids), params.n)
+        self.engine.scheduler.check_limits(len(prompt_token_ids), params.n, params.max_tokens)
         displaced = self.admission.admit(self._num_waiting(), priority, self._not_started)
         if displaced is not None:
             self._fail(

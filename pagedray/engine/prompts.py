@@ -15,6 +15,15 @@ from pagedray.engine.unicode_text import has_lone_surrogate
 from pagedray.scheduler.sampling_params import SamplingParams
 
 
+class ParamError(ValueError):
+    """A refusal worded as vLLM words it (not "field: message"), still naming its field, so
+    the HTTP error's `param` is right."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ValidatedPrompt:
     text: str | None
@@ -148,6 +157,23 @@ class PromptValidator:
             raise ValueError(
                 f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
             )
+
+    def check_max_tokens(
+        self, num_prompt_tokens: int, max_tokens: int | None, field: str = "max_tokens"
+    ) -> None:
+        """Refuse a `max_tokens` that cannot fit beside the prompt, in vLLM's words (clients
+        such as lm-eval and guidellm match them). None means "up to max_model_len". Only the
+        HTTP ingress calls this: the offline `LLM` stops such a request at max_model_len.
+        """
+        if max_tokens is None or num_prompt_tokens + max_tokens <= self.max_model_len:
+            return
+        raise ParamError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {self.max_model_len} tokens and your request has "
+            f"{num_prompt_tokens} input tokens ({max_tokens} > {self.max_model_len} - "
+            f"{num_prompt_tokens}).",
+            field,
+        )
 
     def chat_prompt_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Render a conversation with the chat template and tokenize it, content as text.

@@ -26,8 +26,8 @@ from pagedray.openai.serving import error_response
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
-# Answered without the API key: what a load balancer probes.
-OPEN_PATHS = frozenset({"/health"})
+# Answered without the API key: what a load balancer probes, and (as vLLM does) the metrics.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 

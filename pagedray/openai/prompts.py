@@ -31,12 +31,15 @@ def decode_body(raw: bytes, model: type[RequestT]) -> RequestT:
 def completion_prompts(
     validator: PromptValidator, body: CompletionRequest
 ) -> tuple[SamplingParams, list[ValidatedPrompt], list[str] | None]:
-    """Sampling parameters, each validated prompt, and with `echo` each prompt's text."""
+    """Sampling parameters, each validated prompt, and with `echo` each prompt's text; a
+    `max_tokens` that does not fit beside a prompt is refused (vLLM's 400), never clamped."""
     params = body.to_sampling_params()
     prompts = []
     for prompt in body.prompts():
         key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
-        prompts.append(validator.validate({key: prompt, "cache_salt": body.cache_salt}, params))
+        validated = validator.validate({key: prompt, "cache_salt": body.cache_salt}, params)
+        validator.check_max_tokens(len(validated.token_ids), params.max_tokens)
+        prompts.append(validated)
     echo = None
     if body.echo:
         decode = validator.tokenizer.decode
@@ -51,8 +54,13 @@ def chat_prompt(
     params = body.to_sampling_params()
     messages = [message.as_template_input() for message in body.messages]
     token_ids = validator.chat_prompt_token_ids(messages)
-    prompt = {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}
-    return params, validator.validate(prompt, params)
+    prompt = validator.validate(
+        {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params
+    )
+    # The field the client set is the one to blame (max_completion_tokens wins when both are).
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    validator.check_max_tokens(len(prompt.token_ids), params.max_tokens, field)
+    return params, prompt
 
 
 def tokenize(validator: PromptValidator, body: TokenizeRequest) -> list[int]:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.engine.prompts import ParamError
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.openai.protocol import (
     ChatTokenLogprob,
@@ -196,7 +197,8 @@ def error_response(
 
 
 def bad_request(exc: Exception) -> JSONResponse:
-    """400 from a pydantic error or a "field: message" ValueError, naming the field as param."""
+    """400 from a pydantic error, a "field: message" ValueError or a `ParamError`, naming the
+    field as param."""
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         message = str(first["msg"]).removeprefix("Value error, ")
@@ -204,6 +206,8 @@ def bad_request(exc: Exception) -> JSONResponse:
         if loc:  # param is the top-level field; the message keeps the full location
             return error_response(400, f"{loc}: {message}", param=str(first["loc"][0]))
         return error_response(400, message, param=_field_of(message))
+    if isinstance(exc, ParamError):
+        return error_response(400, str(exc), param=exc.param)
     return error_response(400, str(exc), param=_field_of(str(exc)))
 
 

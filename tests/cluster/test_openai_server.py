@@ -318,6 +318,62 @@ def test_engine_serves_after_errors(client: openai.OpenAI, main_url: str) -> Non
     assert response.usage.completion_tokens == 4
 
 
+def test_max_tokens_that_cannot_fit_is_400_in_vllms_words(
+    client: openai.OpenAI, main_url: str
+) -> None:
+    max_model_len = httpx.get(f"{main_url}/v1/models").json()["data"][0]["max_model_len"]
+    num_prompt = httpx.post(f"{main_url}/tokenize", json={"prompt": "Hello"}).json()["count"]
+    too_many = max_model_len - num_prompt + 1
+    message = (
+        f"'max_tokens' or 'max_completion_tokens' is too large: {too_many}. This model's maximum "
+        f"context length is {max_model_len} tokens and your request has {num_prompt} input "
+        f"tokens ({too_many} > {max_model_len} - {num_prompt})."
+    )
+    url = f"{main_url}/v1/completions"
+    for stream in (False, True):  # refused before any 200, streamed or not
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": too_many, "stream": stream}
+        error = _error(httpx.post(url, json=body), 400)
+        assert error == {
+            "message": message,
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    with pytest.raises(openai.BadRequestError, match="is too large"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=too_many)
+    # Chat names the field the client set.
+    chat_prompt = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+    for field in ("max_tokens", "max_completion_tokens"):
+        body = {**chat_prompt, field: 100_000}
+        error = _error(httpx.post(f"{main_url}/v1/chat/completions", json=body), 400)
+        assert error["param"] == field and error["message"].startswith(
+            "'max_tokens' or 'max_completion_tokens' is too large: 100000."
+        )
+    # Exactly what fits is served.
+    fits = {"model": MODEL, "prompt": [5] * (max_model_len - 2), "max_tokens": 2}
+    assert httpx.post(url, json=fits, timeout=60).json()["usage"]["completion_tokens"] == 2
+
+
+def test_metrics_on_the_api_port(main_url: str) -> None:
+    """vLLM's /metrics: pagedray's series of Ray's export, each family's HELP and TYPE once."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{main_url}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+    while True:
+        response = httpx.get(f"{main_url}/metrics", timeout=30)
+        assert response.status_code == 200, response.text
+        if "ray_pagedray_generation_tokens_total{" in response.text:
+            break
+        assert time.monotonic() < deadline, response.text[:2000]
+        time.sleep(1.0)
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    headers = [line for line in response.text.splitlines() if line.startswith("#")]
+    assert len(headers) == len(set(headers))
+    families = list(text_string_to_metric_families(response.text))
+    assert families and all(f.name.startswith("ray_pagedray_") for f in families)
+    assert "/metrics" not in httpx.get(f"{main_url}/openapi.json").json()["paths"]
+
+
 def _ingress_series() -> dict[str, float]:
     """Ray's Prometheus endpoint: the ingress's series of MODEL, `name{route,status}` → value."""
     import ray
@@ -464,6 +520,8 @@ class TestLimitedApp:
             wrong.models.list()
         right = openai.OpenAI(base_url=f"{limited_url}/v1", api_key=API_KEY, max_retries=0)
         assert right.completions.create(**body).usage.completion_tokens == 2
+        # As vLLM's, the metrics need no key (nor does /health).
+        assert httpx.get(f"{limited_url}/metrics", timeout=30).status_code == 200
 
     def test_stream_interval_sends_chunks_of_n_tokens(self, limited_url: str) -> None:
         client = openai.OpenAI(base_url=f"{limited_url}/v1", api_key=API_KEY, max_retries=0)
@@ -559,6 +617,9 @@ class TestDeadEngine:
         with httpx.stream("POST", url, json=stream_body, timeout=10) as response:
             assert response.status_code == 503
             assert json.loads(response.read())["error"]["code"] == 503
+        # Once ready, ready for good: the failure shows per request and on /health only.
+        models = httpx.get(f"{broken_url}/v1/models", timeout=10)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
 
 
 # ---- tensor parallelism --------------------------------------------------------------------

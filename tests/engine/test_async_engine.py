@@ -201,7 +201,8 @@ def test_prompt_longer_than_the_pool_is_refused_before_acceptance(tiny_llama: st
 def test_request_past_its_deadline_is_aborted_and_freed(tiny_llama: str) -> None:
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama, request_timeout_s=0.3)
-        endless = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        # Up to max_model_len (511 tokens, one step each): far longer than the deadline.
+        endless = SamplingParams(max_tokens=None, ignore_eos=True)
         stream = engine.add_request("slow", tokenizer.encode("hi"), endless)
         with pytest.raises(RequestTimeoutError, match="0.3 s"):
             await _drain(stream)

@@ -1,0 +1,101 @@
+"""`pagedray serve` as clients and operators see its API port (issue P6), with direct ingress:
+`/metrics` in Prometheus text without the API key, OpenAI's 404 for an unknown path, vLLM's 400
+for a max_tokens that cannot fit, and logs that hold one access line per request in the ingress,
+no traceback for a stream its client dropped, and no per-call line of the engine at INFO.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _subprocesses import ServeProcess, pagedray_serve
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "sk-api-port-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 32 * 16  # --num-kv-blocks 32 of 16 tokens
+# Ray's metrics agent exports every few seconds (10 by default).
+EXPORT_TIMEOUT_S = 60.0
+DROPS = 5
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+def _serve_logs(server: ServeProcess, component: str) -> str:
+    folder = server.ray_tmp / "session_latest" / "logs" / "serve"
+    files = sorted(folder.glob(f"replica_pagedray_{component}_*.log"))
+    assert files, f"no {component} log in {folder}"
+    return "".join(path.read_text(errors="replace") for path in files)
+
+
+def _metrics(server: ServeProcess) -> str:
+    """The API port's /metrics (no key) once it holds the generation counter."""
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+    while True:
+        response = httpx.get(f"{server.url}/metrics", timeout=30)
+        assert response.status_code == 200, response.text
+        if "ray_pagedray_generation_tokens_total{" in response.text:
+            return response.text
+        assert time.monotonic() < deadline, response.text[:2000]
+        time.sleep(1.0)
+
+
+def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> None:
+    flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32", "--num-threads", "1"]
+    # NOTE: pagedray serve writes each access line at once (Serve's throughput mode would buffer
+    # 1,000), so they are in the replica logs read below.
+    with pagedray_serve(tiny_llama, *flags, "--api-key", KEY) as server:
+        client = httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
+        num_prompt = client.post("/tokenize", json={"prompt": "Hello"}).json()["count"]
+        error = _error(
+            client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5000}), 400
+        )
+        assert error == {
+            "message": "'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's "
+            f"maximum context length is {MAX_MODEL_LEN} tokens and your request has {num_prompt} "
+            f"input tokens (5000 > {MAX_MODEL_LEN} - {num_prompt}).",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+        for method in ("GET", "POST"):
+            error = _error(client.request(method, "/v2/nothing", json={}), 404)
+            assert error["type"] == "NotFoundError"
+
+        stream = {"prompt": "drop me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        for _ in range(DROPS):
+            with client.stream("POST", "/v1/completions", json=stream) as response:
+                assert next(line for line in response.iter_lines() if line.startswith("data: "))
+        whole = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+        assert whole.json()["usage"]["completion_tokens"] == 4
+
+        text = _metrics(server)
+        headers = [line for line in text.splitlines() if line.startswith("#")]
+        assert len(headers) == len(set(headers))
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert all(name.startswith("ray_pagedray_") for name in names)
+        # The same series names as Ray's export port, so one dashboard reads either.
+        export = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).text
+        exported = {f.name for f in text_string_to_metric_families(export)}
+        assert {name for name in exported if name.startswith("ray_pagedray_")} <= names
+
+        time.sleep(1.0)  # the dropped streams' last log lines
+        ingress, engine = (
+            _serve_logs(server, "OpenAIIngress"),
+            _serve_logs(server, "PagedRayEngine"),
+        )
+        for log in (ingress, engine, server.log_path.read_text(errors="replace")):
+            assert "Traceback" not in log and "TaskCancelledError" not in log
+        # One access line per request: the 400, the dropped streams and the whole one.
+        completions = [line for line in ingress.splitlines() if "POST /v1/completions " in line]
+        assert len(completions) == 1 + DROPS + 1, completions
+        assert all(line.startswith("INFO ") for line in completions)
+        assert "CALL generate" not in engine
