@@ -165,9 +165,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Start (or join) Ray, deploy, print the URL, and serve until Ctrl-C or SIGTERM."""
     app_args = serve_app_args(args)
     local = args.address is None and not os.environ.get("RAY_ADDRESS")
+    if local:
+        # Refused before anything changes: this process's environment included.
+        _check_port_free(args.metrics_export_port, "--metrics-export-port")
     if local and _is_loopback(args.metrics_host or args.host):
         _keep_ray_on_loopback()
     if local:
+        # NOTE: before Ray is imported: Serve reads these when its modules load.
         os.environ.update(lean_serve_env(args.port, args.num_ingress_replicas))
     import ray
     from ray import serve
@@ -179,8 +183,6 @@ def run_serve(args: argparse.Namespace) -> int:
     app_args.setdefault("model", str(default_model_path()))
     # The name clients must send as `model` (also listed by GET /v1/models).
     model_name = app_args.get("served_model_name") or Path(app_args["model"]).name
-    if local:
-        _check_port_free(args.metrics_export_port, "--metrics-export-port")
     stop = threading.Event()
     serving = False
 

@@ -29,13 +29,15 @@ DIRECT_INGRESS_MIN_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
 DIRECT_INGRESS_MAX_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
 DIRECT_INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
+REQUEST_LOG_BUFFER_ENV = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
 # Seconds between readiness polls while the app starts.
 READY_POLL_S = 0.1
 
 
 def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
-    """The environment a local Ray needs for the lean path (a variable already set is kept: a
-    user's `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns Serve's mode and direct ingress off)."""
+    """The environment a local Ray needs for the lean path. A mode variable already set is kept
+    (a user's `RAY_SERVE_THROUGHPUT_OPTIMIZED=0` turns Serve's mode and direct ingress off);
+    the ports are always this server's, never ones left in the environment by another."""
     # NOTE: Ray starts its workers at nice 15 (below its own daemons). The engine replica runs
     # the model's OpenMP team there: any nice-0 process on the machine (a client, the raylet)
     # then preempts one of its threads, and the whole team stalls at the next barrier. At nice 0
@@ -44,16 +46,20 @@ def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
     if os.environ.get(THROUGHPUT_ENV, "1") == "0":
         return {key: value for key, value in env.items() if key not in os.environ}
     env[THROUGHPUT_ENV] = "1"
+    ports: dict[str, str] = {}
+    # NOTE: the mode buffers 1,000 access lines per replica, and a replica that stops loses
+    # what is buffered: one line per request is cheap enough to write at once.
+    env[REQUEST_LOG_BUFFER_ENV] = "1"
     if num_ingress_replicas == 1:
         # NOTE: the controller hands ingress replicas ports from [min, max): one port, the API's.
-        env[DIRECT_INGRESS_MIN_PORT_ENV] = str(api_port)
-        env[DIRECT_INGRESS_MAX_PORT_ENV] = str(api_port + 1)
+        ports[DIRECT_INGRESS_MIN_PORT_ENV] = str(api_port)
+        ports[DIRECT_INGRESS_MAX_PORT_ENV] = str(api_port + 1)
         # Serve keeps a stopping ingress replica listening 30 s so that a load balancer in front
         # notices; none is in front of a local server, so it stops at once (as the proxy did).
         env[DIRECT_INGRESS_DRAIN_ENV] = "0"
     else:
         env[DIRECT_INGRESS_ENV] = "0"
-    return {key: value for key, value in env.items() if key not in os.environ}
+    return {**{key: value for key, value in env.items() if key not in os.environ}, **ports}
 
 
 def uses_direct_ingress() -> bool:

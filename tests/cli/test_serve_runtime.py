@@ -25,6 +25,7 @@ LEAN_VARS = (
     serve_runtime.DIRECT_INGRESS_MAX_PORT_ENV,
     serve_runtime.DIRECT_INGRESS_DRAIN_ENV,
     serve_runtime.WORKER_NICENESS_ENV,
+    serve_runtime.REQUEST_LOG_BUFFER_ENV,
 )
 
 
@@ -42,6 +43,7 @@ def test_one_ingress_replica_takes_the_api_port_itself() -> None:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
         "RAY_worker_niceness": "0",
+        "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
     }
 
 
@@ -53,6 +55,13 @@ def test_several_ingress_replicas_share_the_port_through_the_proxy(
     assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in env
     monkeypatch.setenv(serve_runtime.DIRECT_INGRESS_ENV, "0")
     assert proxy_port(8000, "127.0.0.1") == 8000  # no direct ingress: the proxy has the port
+
+
+def test_the_ports_are_always_this_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port left in the environment (an earlier server in the same process) never wins."""
+    monkeypatch.setenv(serve_runtime.DIRECT_INGRESS_MIN_PORT_ENV, "9000")
+    env = lean_serve_env(8000, num_ingress_replicas=1)
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8000"
 
 
 def test_the_users_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:

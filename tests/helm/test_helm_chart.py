@@ -271,7 +271,10 @@ def test_serve_config_builds_pagedray(chart: helm.Chart, values: dict[str, Any])
     built = serve_build_app(build_app(dict(args)), name="pagedray")
     (engine,) = [d for d in built.deployments if d.name == "PagedRayEngine"]
     bundles = engine._replica_config.placement_group_bundles
-    assert bundles == [{"CPU": 1}] + [{"GPU": 1, "CPU": 1}] * tensor_parallel_size
+    rank = {"GPU": 1, "CPU": 1}
+    # TP=1: the rank runs in the engine replica, whose bundle holds its GPU.
+    expected = [rank] if tensor_parallel_size == 1 else [{"CPU": 1}] + [rank] * tensor_parallel_size
+    assert bundles == expected
     assert engine._deployment_config.num_replicas == values.get("engine", {}).get("replicas", 1)
 
 
