@@ -219,10 +219,9 @@ class AsyncEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
-        """schedule → execute → update, step after step. What a step produced goes out to the
-        streams (and into the metrics) while the next step runs: the model does not wait for
-        that bookkeeping. Only what the next plan depends on (finished and stopped requests, new
-        requests, aborts) is done between steps."""
+        """schedule → execute → update. A step's outputs go to the streams and metrics while
+        the next step runs; only what the next plan depends on (stopped requests, new requests,
+        aborts) is done between steps."""
         assert self._wakeup is not None
         finished_step: _FinishedStep | None = None
         try:
@@ -265,11 +264,13 @@ class AsyncEngine:
 
     def _complete(self, finished_step: _FinishedStep) -> None:
         """A finished step's outputs to their streams, and its metrics."""
+        by_request: dict[str, list[ChoiceDelta]] = {}
+        for delta in finished_step.deltas:
+            by_request.setdefault(delta.request_id, []).append(delta)
         if finished_step.record is not None:
-            deltas = finished_step.deltas
-            advanced = list(dict.fromkeys(d.request_id for d in deltas if d.token_ids))
+            advanced = [rid for rid, ds in by_request.items() if any(d.token_ids for d in ds)]
             self._recorder.step(finished_step.record, advanced)
-        self._publish(finished_step.deltas)
+        self._publish(by_request)
 
     async def _wait_for_work(self) -> None:
         """Sleep until woken; with metrics, at most `METRICS_REFRESH_S` (gauges stay exported)."""
@@ -288,6 +289,8 @@ class AsyncEngine:
 
     def _apply_pending(self) -> None:
         """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
+        if not self._pending_aborts and not self._pending:
+            return  # nothing changed: the stats snapshot of the last step stands
         if self._pending_aborts:
             aborts, self._pending_aborts = list(self._pending_aborts), set()
             self.engine.abort_requests(aborts)
@@ -316,10 +319,7 @@ class AsyncEngine:
             self._recorder.admitted(self.engine.scheduler.requests[request.req_id])
         self._stats = self.engine.stats()
 
-    def _publish(self, deltas: list[ChoiceDelta]) -> None:
-        by_request: dict[str, list[ChoiceDelta]] = {}
-        for delta in deltas:
-            by_request.setdefault(delta.request_id, []).append(delta)
+    def _publish(self, by_request: dict[str, list[ChoiceDelta]]) -> None:
         for request_id, request_deltas in by_request.items():
             state = self.output_processor.requests.get(request_id)
             if state is None:
