@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedray.workers.layers.gemm import linear
 from pagedray.workers.parallel_state import TensorParallelGroup
 from pagedray.workers.weight_loader import WeightSource, copy_weight, narrow_weight
 
@@ -71,6 +72,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] on every rank."""
-        local_logits = F.linear(hidden_states, self.weight)  # [num_tokens, num_local_rows]
+        local_logits = linear(hidden_states, self.weight)  # [num_tokens, num_local_rows]
         logits = self.tp.all_gather(local_logits, dim=-1)  # [num_tokens, padded_vocab_size]
         return logits[:, : self.vocab_size]

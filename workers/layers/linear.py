@@ -10,9 +10,9 @@ from __future__ import annotations
 import abc
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedray.workers.layers.gemm import linear
 from pagedray.workers.parallel_state import TensorParallelGroup
 from pagedray.workers.weight_loader import WeightSource, copy_weight, full_weight, narrow_weight
 
@@ -50,7 +50,7 @@ class LinearBase(nn.Module, abc.ABC):
         """Copy this rank's part of a checkpoint tensor into `param`: each layer knows its split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -187,6 +187,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
