@@ -10,6 +10,7 @@ import torch
 
 from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.workers.cpu_runtime import tune_malloc
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -28,6 +29,8 @@ class Worker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device, rank)
+        if self.device.type == "cpu":
+            tune_malloc()
         self.model_config = ModelConfig.from_pretrained(config.model, config.dtype)
         if config.tensor_parallel_size > 1:
             assert init_method is not None, "tensor parallelism needs a rendezvous address"
