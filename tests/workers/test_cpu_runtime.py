@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from pagedray.workers import cpu_runtime
 
@@ -51,8 +52,9 @@ def test_tuned_malloc_stops_refaulting_freed_activations() -> None:
     default_tuned, default_faults = _faults("default")
     tuned, tuned_faults = _faults("tune")
     assert (default_tuned, tuned) == ("False", "True")
-    assert default_faults > 40 * 100  # ~200 pages refaulted every round, warm or not
-    assert tuned_faults < 40 * 10
+    # Measured: ~1,000 pages refaulted every round by default, none once tuned.
+    assert default_faults > 40 * 100, default_faults
+    assert tuned_faults < default_faults / 10, (tuned_faults, default_faults)
 
 
 def test_preloaded_allocator_is_recognised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,3 +64,32 @@ def test_preloaded_allocator_is_recognised(monkeypatch: pytest.MonkeyPatch) -> N
     assert cpu_runtime.preloaded_allocator() == "jemalloc"
     monkeypatch.setenv("LD_PRELOAD", "/venv/lib/libiomp5.so")
     assert cpu_runtime.preloaded_allocator() is None
+
+
+def test_kv_pool_zeroed_on_huge_pages() -> None:
+    pool = cpu_runtime.zeros_on_huge_pages((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
+    assert pool.shape == (3, 2, 512, 16, 2, 64) and pool.dtype == torch.float32
+    assert not pool.any()
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            thp = setting.read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in thp:
+        pytest.skip("transparent huge pages are off on this machine")
+    start, size = pool.data_ptr(), pool.numel() * pool.element_size()
+    assert _huge_bytes_in(start, start + size) > 0
+
+
+def _huge_bytes_in(start: int, end: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [start, end), from smaps."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                overlaps = low < end and start < high
+            elif overlaps and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total

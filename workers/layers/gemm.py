@@ -53,9 +53,8 @@ def _onednn_dtypes() -> frozenset[torch.dtype]:
 
 
 def _has_native_bf16() -> bool:
-    cpu = getattr(torch._C, "_cpu", None)
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return cpu is not None and any(getattr(cpu, name, lambda: False)() for name in probes)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def _agrees_with_torch(dtype: torch.dtype) -> bool:
