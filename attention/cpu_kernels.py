@@ -35,7 +35,12 @@ from pagedray.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.c"
+# One library: paged decode attention, and the decoder layer's element-wise ops that
+# workers/layers/cpu_ops.py calls.
+SOURCES = (
+    Path(__file__).parent / "csrc" / "paged_decode_cpu.c",
+    Path(__file__).parent / "csrc" / "layer_ops_cpu.c",
+)
 # NOTE: -ffast-math is a compile flag only. Linking a shared library with it makes GCC < 13 add
 # crtfastmath.o, which flushes denormals to zero for the whole process (torch included) on load.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
@@ -163,6 +168,12 @@ def _entry_points() -> dict[torch.dtype, ctypes._CFuncPtr]:
     return entries
 
 
+def library() -> ctypes.CDLL:
+    """The loaded kernels (built on the first call); raises KernelBuildError where they cannot
+    be. For the other modules that bind entry points of their own."""
+    return _library()
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     try:
@@ -179,7 +190,7 @@ def _build_and_load() -> ctypes.CDLL:
     ]
     if not compiler:
         raise KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     folder, private = _writable_cache_dir()
     try:
         return _load_first(compiler, source, folder)
@@ -229,11 +240,15 @@ def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:
     # Built beside its final name and renamed into place: processes building at once (the
     # workers of one engine) each write their own file, and none loads a half-written one.
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        lib = Path(tmp) / "kernel.so"
         commands = [
-            [*compiler, "-c", *_COMPILE_FLAGS, *openmp, str(SOURCE), "-o", str(obj)],
-            [*compiler, *_LINK_FLAGS, *openmp, str(obj), "-o", str(lib), "-lm"],
+            [*compiler, "-c", *_COMPILE_FLAGS, *openmp, str(source), "-o", str(obj)]
+            for source, obj in zip(SOURCES, objects)
         ]
+        commands.append(
+            [*compiler, *_LINK_FLAGS, *openmp, *map(str, objects), "-o", str(lib), "-lm"]
+        )
         for command in commands:
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=120)

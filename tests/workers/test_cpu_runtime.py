@@ -52,9 +52,9 @@ def test_tuned_malloc_stops_refaulting_freed_activations() -> None:
     default_tuned, default_faults = _faults("default")
     tuned, tuned_faults = _faults("tune")
     assert (default_tuned, tuned) == ("False", "True")
-    # Measured: ~1,000 pages refaulted every round by default, none once tuned.
-    assert default_faults > 40 * 100, default_faults
-    assert tuned_faults < default_faults / 10, (tuned_faults, default_faults)
+    # Untuned, glibc refaults ~1,000 pages a round in most runs (in some, its adaptive mmap
+    # threshold happens to settle high enough and it does not); tuned, never.
+    assert tuned_faults < 40 * 10, (tuned_faults, default_faults)
 
 
 def test_preloaded_allocator_is_recognised(monkeypatch: pytest.MonkeyPatch) -> None:

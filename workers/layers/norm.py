@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedray.workers.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """y = weight * (x / rms(x)) over the last dim; replicated on every rank."""
@@ -26,11 +28,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.serves(x) and x.dtype == self.weight.dtype:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)[0]
         return self._norm(x)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the sum is the next block's residual."""
+        if cpu_ops.serves(x) and x.dtype == residual.dtype == self.weight.dtype:
+            normed, summed = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return normed, summed
         x = x + residual
         return self._norm(x), x

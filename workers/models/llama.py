@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedray.attention.backend import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
+from pagedray.workers.layers import cpu_ops
 from pagedray.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedray.workers.layers.linear import (
     MergedColumnParallelLinear,
@@ -85,6 +86,22 @@ class LlamaAttention(nn.Module):
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, dim]
             # Qwen3 normalises each head over head_dim before rope.
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        elif self.attention.name == "cpu" and cpu_ops.serves(qkv):
+            # One C pass: q rotated in place, rotated k and v written to their cache slots.
+            q = cpu_ops.rope_and_store(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                positions,
+                self.rotary_emb.cos_cache,
+                self.rotary_emb.sin_cache,
+                kv_cache[0],
+                kv_cache[1],
+                metadata.slot_mapping,
+            )
+            out = self.attention.paged_attention(q, kv_cache[0], kv_cache[1], metadata, self.scale)
+            return self.o_proj(out.reshape(num_tokens, q_size))
         else:
             # q and k heads sit side by side in qkv: rotate them in one pass.
             qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
@@ -111,7 +128,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate / tp] each
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate / tp]
+        if cpu_ops.serves(gate_up):
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, intermediate / tp] each
         return self.down_proj(F.silu(gate) * up)
 
 
