@@ -11,6 +11,7 @@ import torch
 from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import tune_malloc, zeros_on_huge_pages
+from pagedray.workers.layers.gemm import pack_module_weights
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -45,6 +46,8 @@ class Worker:
         self.model.to(dtype=self.model_config.dtype)
         load_weights(self.model, config.model)
         self.model.eval()
+        if self.device.type == "cpu":
+            pack_module_weights(self.model)
         self.runner: ModelRunner | None = None
 
     @property

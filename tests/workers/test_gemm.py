@@ -64,3 +64,47 @@ def test_bf16_close_to_fp32() -> None:
     got = gemm.linear(x.bfloat16(), weight.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.linear(x, weight), atol=0.5, rtol=0.05)
+
+
+def test_packed_weight_gives_the_same_products() -> None:
+    weight, bias = torch.randn(96, 48), torch.randn(96)
+    packed = gemm.pack(weight)
+    if packed is None:
+        pytest.skip("oneDNN does not serve float32 here")
+    for rows in (1, 4, 33):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(
+            gemm.linear(x, torch.empty(0), bias, packed), F.linear(x, weight, bias)
+        )
+    batched = torch.randn(2, 3, 48)  # not 2-D: unpacked on the spot, still right
+    torch.testing.assert_close(
+        gemm.linear(batched, torch.empty(0), None, packed), F.linear(batched, weight)
+    )
+
+
+def test_pack_module_weights_releases_only_unshared_weights() -> None:
+    if gemm.pack(torch.randn(4, 4)) is None:
+        pytest.skip("oneDNN does not serve float32 here")
+
+    class Projection(torch.nn.Module):
+        def __init__(self, weight: torch.nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+            self.packed_weight: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return gemm.linear(x, self.weight, None, self.packed_weight)
+
+    shared = torch.nn.Parameter(torch.randn(8, 16), requires_grad=False)
+    model = torch.nn.Module()
+    model.own = Projection(torch.nn.Parameter(torch.randn(8, 16), requires_grad=False))
+    model.embedding = torch.nn.Embedding(8, 16)
+    model.embedding.weight = shared
+    model.tied = Projection(shared)  # as a tied LM head shares the embedding's weight
+    x = torch.randn(3, 16)
+    before = {name: getattr(model, name)(x) for name in ("own", "tied")}
+    assert gemm.pack_module_weights(model) == 2
+    assert model.own.weight.numel() == 0  # released: the packed copy serves
+    assert model.tied.weight.shape == (8, 16)  # the embedding still reads it
+    for name, want in before.items():
+        torch.testing.assert_close(getattr(model, name)(x), want)

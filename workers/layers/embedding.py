@@ -67,11 +67,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits column-parallel over the vocabulary; may share its weight with the embedding."""
 
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_dim: int,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(vocab_size, embedding_dim, tp, dtype)
+        # Set by gemm.pack_module_weights once loaded: oneDNN's layout of `weight` on the CPU.
+        self.packed_weight: torch.Tensor | None = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied with compute_logits(hidden_states)")
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] on every rank."""
-        local_logits = linear(hidden_states, self.weight)  # [num_tokens, num_local_rows]
+        local_logits = linear(hidden_states, self.weight, None, self.packed_weight)
         logits = self.tp.all_gather(local_logits, dim=-1)  # [num_tokens, padded_vocab_size]
         return logits[:, : self.vocab_size]

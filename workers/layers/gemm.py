@@ -28,11 +28,57 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out], in x's dtype."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out], in x's dtype.
+
+    `packed`, when given, is `pack(weight)`: used in its place, and `weight` may then be empty.
+    """
+    if packed is not None and x.dim() == 2 and x.dtype == packed.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed is not None:
+        weight = packed.to_dense()  # not a path the model takes: 3-D input, another dtype
     if x.device.type == "cpu" and x.dim() == 2 and x.dtype in _onednn_dtypes():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a [out, in] weight, laid out once for this CPU's kernels; None
+    where oneDNN does not serve the weight's dtype or device.
+
+    With the plain weight oneDNN re-lays it out on every call, which at decode sizes costs as
+    much as the product (measured: 1-16 rows, 1.4-2.4x faster packed; 2,048 rows, the same).
+    """
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _onednn_dtypes():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def pack_module_weights(model: torch.nn.Module) -> int:
+    """Pack the weight of every module that takes one (a `packed_weight` attribute) and release
+    the plain copy where no other module shares it (a tied embedding keeps its own). Returns how
+    many were packed. Call once the weights are loaded: loading into a released weight fails."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "packed_weight"):
+            continue
+        packed = pack(module.weight)
+        if packed is None:
+            continue
+        module.packed_weight = packed
+        if owners[id(module.weight)] == 1:
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+        count += 1
+    return count
 
 
 @functools.cache

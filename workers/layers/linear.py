@@ -38,6 +38,8 @@ class LinearBase(nn.Module, abc.ABC):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # Set by gemm.pack_module_weights once loaded: oneDNN's layout of `weight` on the CPU.
+        self.packed_weight: torch.Tensor | None = None
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), False)
@@ -50,7 +52,7 @@ class LinearBase(nn.Module, abc.ABC):
         """Copy this rank's part of a checkpoint tensor into `param`: each layer knows its split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -187,6 +189,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
