@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 # workers/layers/cpu_ops.py calls.
 SOURCES = (
     Path(__file__).parent / "csrc" / "paged_decode_cpu.c",
+    Path(__file__).parent / "csrc" / "paged_prefill_cpu.c",
     Path(__file__).parent / "csrc" / "layer_ops_cpu.c",
 )
+HEADERS = (Path(__file__).parent / "csrc" / "cpu_simd.h",)  # hashed into the build key
 # NOTE: -ffast-math is a compile flag only. Linking a shared library with it makes GCC < 13 add
 # crtfastmath.o, which flushes denormals to zero for the whole process (torch included) on load.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
@@ -190,7 +192,7 @@ def _build_and_load() -> ctypes.CDLL:
     ]
     if not compiler:
         raise KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     folder, private = _writable_cache_dir()
     try:
         return _load_first(compiler, source, folder)
@@ -294,3 +296,79 @@ def _cpu_identity() -> str:
     except OSError:
         identity.append(platform.processor())
     return "\n".join(identity)
+
+
+def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_prefill serves this dtype and head size here (AVX-512 builds only)."""
+    return (
+        available()
+        and bool(_library().paged_prefill_supported())
+        and dtype in _prefill_entry_points()
+        and head_dim % 16 == 0
+        and head_dim <= 256
+    )
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    value_cache: torch.Tensor,  # same as key_cache
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    extend_seqs: torch.Tensor,  # [num_extends] int64: sequences with several query tokens
+    scale: float,
+    out: torch.Tensor,  # like query: rows of the extend sequences are written
+) -> None:
+    """Causal attention of each extend sequence's query rows over its whole context, in place.
+
+    The caller has checked `prefill_supported` and the layouts paged_decode checks."""
+    num_extends = extend_seqs.numel()
+    if num_extends == 0:
+        return
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    status = _prefill_entry_points()[query.dtype](
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        extend_seqs.data_ptr(),
+        num_extends,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        float(scale),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if status == _BAD_LENGTH:
+        raise ValueError("an extend's query_len is outside [1, seq_len]")
+    if status == _NO_MEMORY:
+        raise MemoryError("CPU paged prefill: could not allocate its per-thread scratch")
+    if status != 0:
+        raise ValueError(f"CPU paged prefill refused head_dim {head_dim} (status {status})")
+
+
+_PREFILL_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+_PREFILL_ARGTYPES += [_I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
+
+
+@functools.cache
+def _prefill_entry_points() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    lib = _library()
+    entries = {}
+    for dtype, name in (
+        (torch.float32, "paged_prefill_f32"),
+        (torch.bfloat16, "paged_prefill_bf16"),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _PREFILL_ARGTYPES, ctypes.c_int
+        entries[dtype] = fn
+    return entries

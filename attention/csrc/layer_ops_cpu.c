@@ -19,36 +19,19 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#define PRAGMA(x) _Pragma(#x)
-#else
-#define PRAGMA(x)
-#endif
+#include "cpu_simd.h"
 
 /* Below this many elements a call runs on one thread: waking the pool costs more. */
 #define PARALLEL_MIN_ELEMENTS 32768
 
-static inline float bf16_load(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+static inline float bf16_load(uint16_t x) { return bf16_to_f32(x); }
+static inline float bf16_r(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline uint16_t bf16_store(float x) { return f32_to_bf16(x); }
 
 /* R(x): x as torch would hold it in the element type (identity in float32). */
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 static inline float f32_r(float x) { return x; }
-static inline uint16_t bf16_store(float x) { return bf16_round(x); }
-static inline float bf16_r(float x) { return bf16_load(bf16_round(x)); }
 
 #define DEFINE_LAYER_OPS(SUFFIX, T)                                                                 \
     /* out = weight * R(R(x [+ residual]) * rsqrt(mean(R(x [+ residual])^2) + eps)); with a      \

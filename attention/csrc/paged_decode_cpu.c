@@ -35,21 +35,7 @@
 #include <omp.h>
 #endif
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* Round to nearest even, as torch does; NaN stays NaN. */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "cpu_simd.h"
 
 /* Rows of K/V as float32: float32 caches are read where they lie, others are converted into the
  * caller's scratch row first. */
@@ -78,12 +64,6 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
 }
 #endif
 
-#ifdef _OPENMP
-#define PRAGMA(x) _Pragma(#x)
-#else
-#define PRAGMA(x)
-#endif
-
 /* Scratch per thread, in floats: scores [num_heads][max_seq_len], query and output accumulators
  * [num_heads][head_dim], one converted K/V token row [num_kv_heads][head_dim]. */
 #define SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len) \
@@ -102,17 +82,6 @@ static float* scratch_for(size_t floats) {
     }
     return thread_scratch;
 }
-
-/* Asks for the next block's rows while this one is computed: blocks lie anywhere in a pool of
- * gigabytes, so the hardware prefetcher, which follows addresses in order, cannot guess them.
- * Each of the block's `rows` rows (`row_stride` elements apart) is `row_bytes` long. */
-#define prefetch_rows(first, rows, row_stride, row_bytes)                                         \
-    do {                                                                                          \
-        for (int64_t r_ = 0; r_ < (rows); ++r_) {                                                 \
-            const char* line_ = (const char*)((first) + r_ * (row_stride));                       \
-            for (int64_t o_ = 0; o_ < (row_bytes); o_ += 64) __builtin_prefetch(line_ + o_, 0, 1); \
-        }                                                                                         \
-    } while (0)
 
 /* Query heads of KV heads [kv_begin, kv_end) of one sequence, for element type T. `head_dim`
  * is a compile-time constant at the call sites for the common sizes, which lets the compiler
@@ -191,35 +160,7 @@ static float* scratch_for(size_t floats) {
                        (h_end - h_begin) * head_dim);                                             \
     }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512_PATH 1
-
-/* 16 K/V elements as float32: loaded as they are, or widened from bf16 (its top 16 bits). */
-static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_bf16(const uint16_t* p) {
-    const __m256i half = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-/* e^x for x <= 0 (softmax after the max is taken out), to about 1 ulp: x = n ln2 + r with
- * |r| <= ln2 / 2, e^r by its Taylor series to r^6 (the next term is under 2e-7 relative). */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* below: 0 after scaling, no denormals */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
+#ifdef HAVE_AVX512_PATH
 /* Softmax of s[0, len) in place. */
 static inline void softmax_avx512(float* s, int64_t len) {
     __m512 top = _mm512_set1_ps(-FLT_MAX);

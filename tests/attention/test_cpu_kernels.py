@@ -1,4 +1,5 @@
-"""The C paged-decode kernel (the CPU backend) against the plain-torch reference.
+"""The C paged-attention kernels (the CPU backend: decode and prefill) against the plain-torch
+reference.
 
 Also how the kernel library is built: cached per machine, safe to build from several processes at
 once, harmless to the process that loads it, and replaced by the torch reference where no C
@@ -44,6 +45,15 @@ def test_mixed_batch_matches_reference(
     # Decodes (kernel) between prefill chunks (torch), with and without cached context.
     query_lens, seq_lens = [19, 1, 7, 1, 24, 1], [19, 33, 64, 16, 50, 90]
     _check(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefills_over_cached_context(dtype: torch.dtype) -> None:
+    # Many query tiles and key chunks; a 600-token cached prefix read in place; odd lengths.
+    if not cpu_kernels.prefill_supported(dtype, 64):
+        pytest.skip("no AVX-512 here: prefill chunks take the torch path")
+    _check([300, 1, 70, 33], [900, 30, 70, 34], 8, 2, 64, 16, dtype)
+    _check([129, 17], [129, 1040], 4, 4, 128, 32, dtype)
 
 
 def test_float16() -> None:
