@@ -14,7 +14,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from pagedray.attention import cpu_kernels
 from pagedray.attention.backend import TORCH_BACKEND
+from pagedray.attention.cpu_backend import CPU_BACKEND
 from pagedray.attention.metadata import AttentionMetadata
 from pagedray.workers.layers.rotary import compute_inv_freq
 from pagedray.workers.model_config import ModelConfig
@@ -127,18 +129,28 @@ def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:  # 
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# The torch reference backend, and the CPU backend's C kernels (rotation + K/V store in one pass,
+# paged decode and prefill attention) where they build.
+BACKENDS = [TORCH_BACKEND, CPU_BACKEND] if cpu_kernels.available() else [TORCH_BACKEND]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(case, backend) for case in CASES for backend in BACKENDS],
+    ids=[f"{case}-{backend.name}" for case in CASES for backend in BACKENDS],
+)
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(HF reference, our model) in float32, both loaded from the same saved checkpoint."""
     torch.set_num_threads(1)
-    config, save_kwargs, save_dtype = CASES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
+    case, backend = request.param
+    config, save_kwargs, save_dtype = CASES[case]
+    path = tmp_path_factory.mktemp(case)
     save_tiny_checkpoint(config, path, save_dtype, **save_kwargs)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     model_config = ModelConfig.from_pretrained(path, dtype="float32")
-    model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), TORCH_BACKEND)
+    model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), backend)
     model.load_weights(path)
     return hf_model, model
 
@@ -265,3 +277,30 @@ def test_missing_weight_is_reported(tmp_path: Path) -> None:
     model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), TORCH_BACKEND)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight.*'k'"):
         model.load_weights(tmp_path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=[b.name for b in BACKENDS])
+def test_bf16_close_to_hf_float32(tmp_path: Path, backend) -> None:
+    """bf16 weights and KV through every path (C norm, rotation, prefill and decode kernels on
+    the CPU backend): logits within bf16's error of HF's float32 ones, prefill and decode."""
+    config, save_kwargs, save_dtype = CASES["llama"]
+    save_tiny_checkpoint(config, tmp_path, save_dtype, **save_kwargs)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model_config = ModelConfig.from_pretrained(tmp_path, dtype="bfloat16")
+    model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), backend)
+    model.to(dtype=torch.bfloat16)
+    model.load_weights(tmp_path)
+    kv_cache = torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), dtype=torch.bfloat16)
+    seqs = prompts()
+    outs = run_step(model, kv_cache, seqs, [0, 0], PROMPT_LENS)
+    for seq in seqs:
+        seq.append(11)
+    outs += run_step(model, kv_cache, seqs, PROMPT_LENS, [1, 1])
+    wants = [hf_logits(hf_model, seq[:-1]) for seq in seqs] + [
+        hf_logits(hf_model, seq)[-1:] for seq in seqs
+    ]
+    for got, want in zip(outs, wants):
+        scale = want.abs().max()
+        torch.testing.assert_close(got, want, atol=0.05 * float(scale), rtol=0)

@@ -72,6 +72,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._float32: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -90,6 +91,17 @@ class RotaryEmbedding(nn.Module):
         """Rotate several heads in one pass: q and k together when they sit side by side."""
         cos, sin = self._lookup(positions)
         return _rotate(heads, cos, sin)
+
+    def float32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:  # [max_pos, head_dim // 2]
+        """cos and sin as contiguous float32 tables, made once (the C rotation's input). A model
+        cast to bf16 holds its tables rounded to bf16, as HF's cast at lookup rounds them: the
+        float32 copy keeps exactly those values."""
+        if self._float32 is None or self._float32[0].device != self.cos_cache.device:
+            self._float32 = (
+                self.cos_cache.float().contiguous(),
+                self.sin_cache.float().contiguous(),
+            )
+        return self._float32
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer rotates by the same positions tensor: look the tables up once a forward.

@@ -88,14 +88,15 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         elif self.attention.name == "cpu" and cpu_ops.serves(qkv):
             # One C pass: q rotated in place, rotated k and v written to their cache slots.
+            cos_table, sin_table = self.rotary_emb.float32_tables()
             q = cpu_ops.rope_and_store(
                 qkv,
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
                 positions,
-                self.rotary_emb.cos_cache,
-                self.rotary_emb.sin_cache,
+                cos_table,
+                sin_table,
                 kv_cache[0],
                 kv_cache[1],
                 metadata.slot_mapping,
