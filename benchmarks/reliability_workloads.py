@@ -42,6 +42,8 @@ def rank_process_marker(tensor_parallel_size: int) -> str:
     """What marks the processes the model's ranks run in: at TP=1 the engine replica itself
     (the rank runs in it), at TP > 1 the worker actors."""
     return ENGINE_REPLICA_MARKER if tensor_parallel_size == 1 else WORKER_MARKER
+
+
 # Token ids every model here has (the tiny preset's vocabulary is 512): prompts sent as ids
 # have exact lengths, so their KV blocks are known.
 PROMPT_TOKEN_IDS = range(10, 500)

@@ -137,7 +137,17 @@ class VllmOffline:
     """`vllm_peer_worker.py` under vLLM's interpreter, in a session of its own: one `vllm.LLM`
     kept between runs, so that runs interleave with pagedray's without restarting either."""
 
-    def __init__(self, env: VllmEnv, path: str, workload: Workload, log_dir: Path) -> None:
+    def __init__(
+        self,
+        env: VllmEnv,
+        path: str,
+        workload: Workload,
+        log_dir: Path,
+        dtype: str = "float32",
+        prefix_caching: bool = False,
+        runs: list[Workload] | None = None,
+    ) -> None:
+        """`runs`, when given, are sent in turn, one a `run()`; else `workload` every time."""
         workload_path = log_dir / "workload.json"
         workload_path.write_text(
             json.dumps(
@@ -146,6 +156,10 @@ class VllmOffline:
                     "output_lens": workload.output_lens,
                     "warmup_prompts": workload.warmup_prompts,
                     "warmup_output_lens": workload.warmup_output_lens,
+                    "runs": [
+                        {"prompts": run.prompts, "output_lens": run.output_lens}
+                        for run in runs or []
+                    ],
                 }
             )
         )
@@ -153,6 +167,7 @@ class VllmOffline:
         self.log_path = log_dir / "vllm_offline.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         command = [str(env.python), str(WORKER), "--model", path, "--workload", str(workload_path)]
+        command += ["--dtype", dtype] + (["--prefix-caching"] if prefix_caching else [])
         self.proc = subprocess.Popen(
             [*command, "--result-fd", str(write_fd)],
             stdin=subprocess.PIPE,

@@ -1,7 +1,9 @@
 """vLLM's side of `vllm_peer.py`'s offline comparison: run by vLLM's own interpreter, not ours.
 
-Builds one `vllm.LLM`, warms it up, then runs the workload once per `run` line on stdin and writes
-one JSON line per run to the file descriptor `--result-fd`; `quit` (or end of input) exits.
+Builds one `vllm.LLM` (timed: the load time), warms it up, then runs the workload once per `run`
+line on stdin and writes one JSON line per run to the file descriptor `--result-fd`; `quit` (or end
+of input) exits. A workload with "runs" (a list of {"prompts", "output_lens"}) takes them in turn,
+one a `run`; otherwise every run sends "prompts" again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint dir")
     parser.add_argument("--workload", required=True, help="JSON file written by vllm_peer.py")
     parser.add_argument("--result-fd", type=int, required=True, help="where the JSON lines go")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype")
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's default: on")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -34,8 +38,11 @@ def main() -> None:
         results.write(json.dumps(message) + "\n")
         results.flush()
 
-    # NOTE: prefix caching off, as in pagedray's run: every repeat sends the same prompts.
-    llm = LLM(model=args.model, dtype="float32", seed=0, enable_prefix_caching=False)
+    # NOTE: prefix caching as pagedray's run has it: off where every repeat sends the same prompts.
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=args.prefix_caching)
+    load_s = time.perf_counter() - start
+    runs = workload.get("runs") or [workload]
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in output_lens]
@@ -51,13 +58,15 @@ def main() -> None:
             "max_num_seqs": config.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "block_size": config.cache_config.block_size,
+            "load_s": load_s,
         }
     )
-    for line in sys.stdin:
+    for index, line in enumerate(sys.stdin):
         if line.strip() != "run":
             break
+        run = runs[index % len(runs)]
         start = time.perf_counter()
-        token_ids = generate(workload["prompts"], workload["output_lens"])
+        token_ids = generate(run["prompts"], run["output_lens"])
         wall_s = time.perf_counter() - start
         send(
             {
