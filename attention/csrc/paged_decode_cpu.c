@@ -161,6 +161,25 @@ static float* scratch_for(size_t floats) {
     }
 
 #ifdef HAVE_AVX512_PATH
+/* The 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]): pairs, then quads
+ * within each 128-bit lane, then across lanes; about 2 shuffles a sum against 4 for
+ * _mm512_reduce_add_ps, and no chain between them. */
+static inline __m512 sum16(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i) /* lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) /* lane: partial sums of v[4i .. 4i + 3] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* Softmax of s[0, len) in place. */
 static inline void softmax_avx512(float* s, int64_t len) {
     __m512 top = _mm512_set1_ps(-FLT_MAX);
@@ -216,7 +235,19 @@ static inline void softmax_avx512(float* s, int64_t len) {
                     q[j] = _mm512_mul_ps(load16_##SUFFIX(query_row + h * head_dim + 16 * j), sv); \
                 const T* k = block + (h / group - kv_begin) * head_dim;                           \
                 float* s = scores + h * max_seq_len + b * block_size;                             \
-                for (int64_t p = 0; p < filled; ++p) {                                            \
+                int64_t p = 0;                                                                    \
+                for (; p + 16 <= filled; p += 16) { /* 16 scores, summed across lanes at once */  \
+                    __m512 dots[16];                                                              \
+                    for (int64_t t = 0; t < 16; ++t) {                                            \
+                        const T* kp = k + (p + t) * token_stride;                                 \
+                        __m512 dot = _mm512_mul_ps(q[0], load16_##SUFFIX(kp));                    \
+                        for (int64_t j = 1; j < vecs; ++j)                                        \
+                            dot = _mm512_fmadd_ps(q[j], load16_##SUFFIX(kp + 16 * j), dot);       \
+                        dots[t] = dot;                                                            \
+                    }                                                                             \
+                    _mm512_storeu_ps(s + p, sum16(dots));                                         \
+                }                                                                                 \
+                for (; p < filled; ++p) {                                                         \
                     const T* kp = k + p * token_stride;                                           \
                     __m512 dot = _mm512_mul_ps(q[0], load16_##SUFFIX(kp));                        \
                     for (int64_t j = 1; j < vecs; ++j)                                            \
