@@ -202,85 +202,107 @@ static inline void softmax_avx512(float* s, int64_t len) {
     }
 }
 
-/* The same contract as attend_sequence_*, for head_dim a multiple of 16 up to 256: a query head
- * and its accumulator live in registers (head_dim / 16 of each) while a block's 16 tokens pass,
- * one horizontal sum per score, and the softmax's exponentials 16 at a time. */
+/* One KV head of one sequence and its `group` query heads, for head_dim = 16 * vecs up to 256:
+ * each K and V row is loaded once for all the query heads that read it (GQA), a block's 16
+ * scores per head are summed across lanes together (sum16), the softmax's exponentials go 16 at
+ * a time. `group` and `vecs` are constants at the call sites, so the loops over them unroll. */
 #define MAX_VECS 16
-#define DEFINE_ATTEND_SEQUENCE_AVX512(SUFFIX, T)                                                   \
+#define MAX_GROUP 8
+#define DEFINE_ATTEND_KV_AVX512(SUFFIX, T)                                                         \
+    static inline __attribute__((always_inline)) void attend_kv_avx512_##SUFFIX(                  \
+        const T* query_row, const T* key_cache, const T* value_cache, const int32_t* table,       \
+        int64_t len, int64_t num_kv_heads, int64_t kv, const int64_t group, const int64_t vecs,   \
+        int64_t block_size, int64_t max_seq_len, float scale, T* out_row, float* scores) {        \
+        const int64_t head_dim = 16 * vecs;                                                       \
+        const int64_t token_stride = num_kv_heads * head_dim;                                     \
+        const int64_t block_stride = block_size * token_stride;                                   \
+        const int64_t num_blocks = (len + block_size - 1) / block_size;                           \
+        const int64_t h0 = kv * group;                                                            \
+        const int64_t row_bytes = head_dim * (int64_t)sizeof(T);                                  \
+        __m512 q[MAX_GROUP][MAX_VECS], a[MAX_GROUP][MAX_VECS], dots[MAX_GROUP][16];              \
+        const __m512 sv = _mm512_set1_ps(scale);                                                  \
+        for (int64_t g = 0; g < group; ++g)                                                       \
+            for (int64_t j = 0; j < vecs; ++j) {                                                  \
+                q[g][j] = _mm512_mul_ps(load16_##SUFFIX(query_row + (h0 + g) * head_dim + 16 * j),\
+                                        sv);                                                      \
+                a[g][j] = _mm512_setzero_ps();                                                    \
+            }                                                                                     \
+        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
+            const T* k = key_cache + (int64_t)table[b] * block_stride + kv * head_dim;            \
+            const int64_t filled = b + 1 < num_blocks ? block_size : len - b * block_size;        \
+            if (b + 1 < num_blocks)                                                               \
+                prefetch_rows(key_cache + (int64_t)table[b + 1] * block_stride + kv * head_dim,   \
+                              block_size, token_stride, row_bytes);                               \
+            int64_t p = 0;                                                                        \
+            for (; p + 16 <= filled; p += 16) {                                                   \
+                for (int64_t t = 0; t < 16; ++t) {                                                \
+                    const T* kp = k + (p + t) * token_stride;                                     \
+                    __m512 kr[MAX_VECS];                                                          \
+                    for (int64_t j = 0; j < vecs; ++j) kr[j] = load16_##SUFFIX(kp + 16 * j);      \
+                    for (int64_t g = 0; g < group; ++g) {                                         \
+                        __m512 dot = _mm512_mul_ps(q[g][0], kr[0]);                               \
+                        for (int64_t j = 1; j < vecs; ++j)                                        \
+                            dot = _mm512_fmadd_ps(q[g][j], kr[j], dot);                           \
+                        dots[g][t] = dot;                                                         \
+                    }                                                                             \
+                }                                                                                 \
+                for (int64_t g = 0; g < group; ++g)                                               \
+                    _mm512_storeu_ps(scores + g * max_seq_len + b * block_size + p,               \
+                                     sum16(dots[g]));                                             \
+            }                                                                                     \
+            for (; p < filled; ++p) {                                                             \
+                const T* kp = k + p * token_stride;                                               \
+                for (int64_t g = 0; g < group; ++g) {                                             \
+                    __m512 dot = _mm512_mul_ps(q[g][0], load16_##SUFFIX(kp));                     \
+                    for (int64_t j = 1; j < vecs; ++j)                                            \
+                        dot = _mm512_fmadd_ps(q[g][j], load16_##SUFFIX(kp + 16 * j), dot);        \
+                    scores[g * max_seq_len + b * block_size + p] = _mm512_reduce_add_ps(dot);     \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t g = 0; g < group; ++g) softmax_avx512(scores + g * max_seq_len, len);        \
+        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
+            const T* v = value_cache + (int64_t)table[b] * block_stride + kv * head_dim;          \
+            const int64_t filled = b + 1 < num_blocks ? block_size : len - b * block_size;        \
+            if (b + 1 < num_blocks)                                                               \
+                prefetch_rows(value_cache + (int64_t)table[b + 1] * block_stride + kv * head_dim, \
+                              block_size, token_stride, row_bytes);                               \
+            for (int64_t p = 0; p < filled; ++p) {                                                \
+                const T* vp = v + p * token_stride;                                               \
+                __m512 vr[MAX_VECS];                                                              \
+                for (int64_t j = 0; j < vecs; ++j) vr[j] = load16_##SUFFIX(vp + 16 * j);          \
+                for (int64_t g = 0; g < group; ++g) {                                             \
+                    const __m512 w = _mm512_set1_ps(scores[g * max_seq_len + b * block_size + p]);\
+                    for (int64_t j = 0; j < vecs; ++j) a[g][j] = _mm512_fmadd_ps(w, vr[j], a[g][j]);\
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t g = 0; g < group; ++g) {                                                     \
+            float row[16 * MAX_VECS];                                                             \
+            for (int64_t j = 0; j < vecs; ++j) _mm512_storeu_ps(row + 16 * j, a[g][j]);           \
+            store_##SUFFIX(out_row + (h0 + g) * head_dim, row, head_dim);                         \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* The contract of attend_sequence_*: KV heads [kv_begin, kv_end) one after the other. */     \
     static inline __attribute__((always_inline)) void attend_sequence_avx512_##SUFFIX(            \
         const T* query_row, const T* key_cache, const T* value_cache, const int32_t* table,       \
         int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t kv_begin, int64_t kv_end,   \
         const int64_t head_dim, int64_t block_size, int64_t max_seq_len, float scale,             \
         T* out_row, float* scratch) {                                                             \
         const int64_t group = num_heads / num_kv_heads;                                           \
-        const int64_t vecs = head_dim / 16;                                                       \
-        const int64_t token_stride = num_kv_heads * head_dim;                                     \
-        const int64_t block_stride = block_size * token_stride;                                   \
-        const int64_t num_blocks = (len + block_size - 1) / block_size;                           \
-        const int64_t h_begin = kv_begin * group, h_end = kv_end * group;                         \
-        const int64_t row_offset = kv_begin * head_dim;                                           \
-        const int64_t row_len = (kv_end - kv_begin) * head_dim;                                   \
-        float* scores = scratch;                                                                  \
-        float* acc = scores + num_heads * max_seq_len + num_heads * head_dim;                     \
-        __m512 q[MAX_VECS], a[MAX_VECS];                                                          \
-        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            const T* block = key_cache + (int64_t)table[b] * block_stride + row_offset;           \
-            const int64_t filled = b + 1 < num_blocks ? block_size : len - b * block_size;        \
-            if (b + 1 < num_blocks)                                                               \
-                prefetch_rows(key_cache + (int64_t)table[b + 1] * block_stride + row_offset,      \
-                              block_size, token_stride, row_len * (int64_t)sizeof(T));            \
-            for (int64_t h = h_begin; h < h_end; ++h) {                                           \
-                const __m512 sv = _mm512_set1_ps(scale);                                          \
-                for (int64_t j = 0; j < vecs; ++j)                                                \
-                    q[j] = _mm512_mul_ps(load16_##SUFFIX(query_row + h * head_dim + 16 * j), sv); \
-                const T* k = block + (h / group - kv_begin) * head_dim;                           \
-                float* s = scores + h * max_seq_len + b * block_size;                             \
-                int64_t p = 0;                                                                    \
-                for (; p + 16 <= filled; p += 16) { /* 16 scores, summed across lanes at once */  \
-                    __m512 dots[16];                                                              \
-                    for (int64_t t = 0; t < 16; ++t) {                                            \
-                        const T* kp = k + (p + t) * token_stride;                                 \
-                        __m512 dot = _mm512_mul_ps(q[0], load16_##SUFFIX(kp));                    \
-                        for (int64_t j = 1; j < vecs; ++j)                                        \
-                            dot = _mm512_fmadd_ps(q[j], load16_##SUFFIX(kp + 16 * j), dot);       \
-                        dots[t] = dot;                                                            \
-                    }                                                                             \
-                    _mm512_storeu_ps(s + p, sum16(dots));                                         \
-                }                                                                                 \
-                for (; p < filled; ++p) {                                                         \
-                    const T* kp = k + p * token_stride;                                           \
-                    __m512 dot = _mm512_mul_ps(q[0], load16_##SUFFIX(kp));                        \
-                    for (int64_t j = 1; j < vecs; ++j)                                            \
-                        dot = _mm512_fmadd_ps(q[j], load16_##SUFFIX(kp + 16 * j), dot);           \
-                    s[p] = _mm512_reduce_add_ps(dot);                                             \
-                }                                                                                 \
+        for (int64_t kv = kv_begin; kv < kv_end; ++kv) {                                          \
+            switch (group) {                                                                      \
+                case 1: attend_kv_avx512_##SUFFIX(KV_ARGS(1)); break;                             \
+                case 2: attend_kv_avx512_##SUFFIX(KV_ARGS(2)); break;                             \
+                case 4: attend_kv_avx512_##SUFFIX(KV_ARGS(4)); break;                             \
+                default: attend_kv_avx512_##SUFFIX(KV_ARGS(group));                               \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t h = h_begin; h < h_end; ++h) softmax_avx512(scores + h * max_seq_len, len);  \
-        memset(acc + h_begin * head_dim, 0, sizeof(float) * (h_end - h_begin) * head_dim);        \
-        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            const T* block = value_cache + (int64_t)table[b] * block_stride + row_offset;         \
-            const int64_t filled = b + 1 < num_blocks ? block_size : len - b * block_size;        \
-            if (b + 1 < num_blocks)                                                               \
-                prefetch_rows(value_cache + (int64_t)table[b + 1] * block_stride + row_offset,    \
-                              block_size, token_stride, row_len * (int64_t)sizeof(T));            \
-            for (int64_t h = h_begin; h < h_end; ++h) {                                           \
-                float* ah = acc + h * head_dim;                                                   \
-                for (int64_t j = 0; j < vecs; ++j) a[j] = _mm512_loadu_ps(ah + 16 * j);           \
-                const T* v = block + (h / group - kv_begin) * head_dim;                           \
-                const float* w = scores + h * max_seq_len + b * block_size;                       \
-                for (int64_t p = 0; p < filled; ++p) {                                            \
-                    const __m512 wp = _mm512_set1_ps(w[p]);                                       \
-                    const T* vp = v + p * token_stride;                                           \
-                    for (int64_t j = 0; j < vecs; ++j)                                            \
-                        a[j] = _mm512_fmadd_ps(wp, load16_##SUFFIX(vp + 16 * j), a[j]);           \
-                }                                                                                 \
-                for (int64_t j = 0; j < vecs; ++j) _mm512_storeu_ps(ah + 16 * j, a[j]);           \
-            }                                                                                     \
-        }                                                                                         \
-        store_##SUFFIX(out_row + h_begin * head_dim, acc + h_begin * head_dim,                    \
-                       (h_end - h_begin) * head_dim);                                             \
     }
+#define KV_ARGS(GROUP)                                                                            \
+    query_row, key_cache, value_cache, table, len, num_kv_heads, kv, (GROUP), head_dim / 16,     \
+        block_size, max_seq_len, scale, out_row, scratch
 #endif
 
 /* Return codes of the entry points. */
@@ -305,7 +327,8 @@ static inline void softmax_avx512(float* s, int64_t len) {
         int status = PAGED_DECODE_OK;                                                             \
         const int64_t splits = num_decodes >= 2 * num_threads ? 1 : num_kv_heads;                 \
         const int64_t kv_per_item = num_kv_heads / splits;                                        \
-        const int fast = head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS;                          \
+        const int fast = head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS &&                        \
+                         num_heads / num_kv_heads <= MAX_GROUP;                                   \
         const size_t scratch_floats =                                                             \
             (size_t)SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len);              \
         (void)num_threads; /* without OpenMP: one thread */                                       \
@@ -361,12 +384,13 @@ int parallel_width(int64_t num_threads) {
 DEFINE_ATTEND_SEQUENCE(f32, float)
 DEFINE_ATTEND_SEQUENCE(bf16, uint16_t)
 #ifdef HAVE_AVX512_PATH
-DEFINE_ATTEND_SEQUENCE_AVX512(f32, float)
-DEFINE_ATTEND_SEQUENCE_AVX512(bf16, uint16_t)
+DEFINE_ATTEND_KV_AVX512(f32, float)
+DEFINE_ATTEND_KV_AVX512(bf16, uint16_t)
 DEFINE_PAGED_DECODE(f32, float, attend_sequence_avx512_f32)
 DEFINE_PAGED_DECODE(bf16, uint16_t, attend_sequence_avx512_bf16)
 #else
 #define MAX_VECS 16
+#define MAX_GROUP 8
 DEFINE_PAGED_DECODE(f32, float, attend_sequence_f32)
 DEFINE_PAGED_DECODE(bf16, uint16_t, attend_sequence_bf16)
 #endif

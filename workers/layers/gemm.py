@@ -27,6 +27,9 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
+CACHE_CAPACITY_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+CACHE_CAPACITY = 4096
+
 
 def linear(
     x: torch.Tensor,
@@ -86,6 +89,11 @@ def _onednn_dtypes() -> frozenset[torch.dtype]:
     """The dtypes oneDNN's matmul serves on this CPU, each checked once against `F.linear`."""
     if os.environ.get("PAGEDRAY_CPU_GEMM", "onednn") == "torch":
         return frozenset()
+    # oneDNN compiles a primitive per input shape and keeps 1,024: five projections of a layer
+    # at every batch size up to 256 sequences already need more, and past its capacity the cache
+    # thrashes (a sweep of 300 sizes: 0.97 s, 0.42 s with room). Read when oneDNN first builds
+    # a primitive, which the probe below does; a value the user set stays.
+    os.environ.setdefault(CACHE_CAPACITY_ENV, str(CACHE_CAPACITY))
     has_op = hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if not (torch.backends.mkldnn.is_available() and has_op):
         return frozenset()
