@@ -11,7 +11,8 @@ What it measures, both systems in the same run:
    seeded workload (token-id prompts, per-request output lengths, EOS ignored, greedy, fp32,
    prefix caching off in both since repeats resend the same prompts). vLLM runs in a subprocess
    that keeps its engine and times `generate` alone; the runs alternate (ABBA) between the
-   systems, `--repeats` each, and the medians are compared.
+   systems, `--repeats` each, and the medians are compared: vllm_offline.py's sharegpt fp32
+   cell (that script runs the whole fp32/bf16 x workload table).
 2. Served: `pagedray serve` and vLLM's OpenAI server one after the other, each through the same
    guidellm sweep (synthetic 128-token prompts, 64 output tokens, EOS ignored, streamed chat
    completions: the model has a chat template): synchronous, then 64 concurrent streams, each
@@ -45,25 +46,23 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
 # NOTE: run as a script, this directory is on sys.path.
-from http_throughput import CONTENDED, OtherCpu, Server, ServerCpu, _role_of
-from offline_throughput import NUM_CHECKED, Workload, benchmark_workload
+from http_throughput import CONTENDED, Server, _role_of
+from offline_throughput import benchmark_workload
+from vllm_offline import Cell, add_vllm_args, report, run_cell, vllm_env
 from vllm_peer_tools import (
     CpuTimeline,
     Guidellm,
     Profile,
     VllmEnv,
-    VllmOffline,
     VllmServer,
     vllm_role,
-    wait_quiet,
 )
 
 SYSTEMS = ("pagedray", "vLLM")
@@ -71,86 +70,6 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64  # the served workload, per request
 # (count, seconds) bounds per guidellm profile: full, quick.
 SYNC_BOUNDS = {False: (40, 60.0), True: (8, 20.0)}
 CONCURRENT_BOUNDS = {False: (384, 120.0), True: (128, 45.0)}
-
-
-# ---- offline ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Offline:
-    """Each system's timed offline runs, in the order they ran."""
-
-    tok_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
-    others_share: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
-    # CPU the other, idle system used during each run, as a share of one CPU.
-    idle_cpu_share: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
-    token_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # first requests, last run
-    wrong_lengths: dict[str, int] = field(default_factory=dict)  # requests off their target
-    notes: list[str] = field(default_factory=list)
-
-    def median(self, system: str) -> float:
-        return statistics.median(self.tok_s[system])
-
-
-def run_offline(
-    path: str, workload: Workload, env: VllmEnv, threads: int, repeats: int, log_dir: Path
-) -> Offline:
-    from pagedray import LLM, SamplingParams
-
-    result = Offline()
-    llm = LLM(path, dtype="float32", num_threads=threads, enable_prefix_caching=False)
-
-    def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens
-        ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(out.outputs[0].token_ids) for out in outputs]
-
-    peer = None
-    try:
-        generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
-        peer = VllmOffline(env, path, workload, log_dir)
-        result.notes.append(f"vLLM engine: {peer.config}")
-        for repeat in range(repeats):
-            # ABBA: each system runs first as often as second, against drift in the machine.
-            for system in SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]:
-                timed_run(system, generate, peer, workload, result)
-                print(f"offline {system}: {result.tok_s[system][-1]:.1f} output tok/s", flush=True)
-    finally:
-        if peer is not None:
-            peer.close()
-        llm.shutdown()
-    return result
-
-
-def timed_run(
-    system: str,
-    generate: Callable[[list[list[int]], list[int]], list[list[int]]],
-    peer: VllmOffline,
-    workload: Workload,
-    result: Offline,
-) -> None:
-    """One timed pass through `system`, with the CPU the idle system and other processes used."""
-    sessions = [os.getsid(0), peer.proc.pid]
-    wait_quiet(sessions)
-    with OtherCpu(sessions) as others, ServerCpu(peer.proc.pid) as peer_cpu:
-        start, own_cpu_start = time.perf_counter(), time.process_time()
-        if system == "pagedray":
-            token_ids = generate(workload.prompts, workload.output_lens)
-            wall_s = time.perf_counter() - start
-            counts = [len(t) for t in token_ids]
-        else:
-            reply = peer.run()  # timed in vLLM's process, around generate alone
-            wall_s, token_ids, counts = reply["wall_s"], reply["token_ids"], reply["counts"]
-        window_s = time.perf_counter() - start
-        own_cpu_s = time.process_time() - own_cpu_start
-    idle_s = own_cpu_s if system == "vLLM" else sum(peer_cpu.by_role.values())
-    result.idle_cpu_share[system].append(idle_s / window_s)
-    result.tok_s[system].append(sum(counts) / wall_s)
-    result.others_share[system].append(others.others_s / (window_s * (os.cpu_count() or 1)))
-    result.token_ids[system] = token_ids[:NUM_CHECKED]
-    result.wrong_lengths[system] = sum(c != n for c, n in zip(counts, workload.output_lens))
 
 
 # ---- served ----------------------------------------------------------------------------------
@@ -226,36 +145,7 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "-"
 
 
-def report_offline(workload: Workload, offline: Offline) -> None:
-    print(
-        f"\nOffline LLM.generate: {len(workload.prompts)} requests, {workload.num_prompt_tokens} "
-        f"prompt / {workload.num_output_tokens} output tokens; median of "
-        f"{len(offline.tok_s['pagedray'])} interleaved runs each"
-    )
-    print(f"{'system':<10}{'out tok/s':>11}   runs")
-    for system in SYSTEMS:
-        runs = ", ".join(f"{x:.0f}" for x in offline.tok_s[system])
-        print(f"{system:<10}{offline.median(system):>11.1f}   {runs}")
-    print(f"pagedray / vLLM: {ratio(offline.median('pagedray'), offline.median('vLLM'))}")
-    for note in offline.notes:
-        print(f"  {note}")
-    for system in SYSTEMS:
-        other = SYSTEMS[1 - SYSTEMS.index(system)]
-        idle = max(offline.idle_cpu_share[system], default=0.0)
-        print(f"  {other}'s CPU while idle during {system}'s runs: at most {idle:.0%} of a CPU")
-        if offline.wrong_lengths.get(system):
-            print(f"  {system}: {offline.wrong_lengths[system]} requests off their output length")
-        if max(offline.others_share[system], default=0.0) >= CONTENDED:
-            print(f"WARNING: other processes used the CPUs during {system}'s offline runs")
-    verdicts = []
-    ours, theirs = offline.token_ids.get("pagedray", []), offline.token_ids.get("vLLM", [])
-    for a, b in zip(ours, theirs):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        verdicts.append("same" if a == b else f"differs at token {first}")
-    print(f"  greedy tokens, pagedray vs vLLM, requests 0-{len(verdicts) - 1}: {verdicts}")
-
-
-def report_served(served: dict[str, list[Served]], offline: Offline | None, streams: int) -> None:
+def report_served(served: dict[str, list[Served]], offline: Cell | None, streams: int) -> None:
     rounds = len(served["pagedray"])
     print(
         f"\nServed through guidellm ({PROMPT_TOKENS} prompt / {OUTPUT_TOKENS} output tokens, "
@@ -320,12 +210,7 @@ def parse_args() -> argparse.Namespace:
     add("--streams", type=int, default=64, help="guidellm's concurrent streams")
     add("--seed", type=int, default=0, help="seeds the offline workload")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    default_venv = os.environ.get("PAGEDRAY_VLLM_VENV", "/work/vllm-cpu-venv")
-    add("--venv", default=default_venv, help="vLLM's CPU venv")
-    add("--vllm-python", default=None, help="its interpreter (default VENV/bin/python)")
-    add("--preload", default=None, help="LD_PRELOAD for vLLM (default tcmalloc, VENV's iomp5)")
-    add("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    add("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (auto, nobind, 0-1, ...)")
+    add_vllm_args(parser)
     add("--guidellm", default="/work/clients-venv/bin/guidellm", help="guidellm executable")
     add(
         "--request-format",
@@ -333,16 +218,6 @@ def parse_args() -> argparse.Namespace:
         help="guidellm's request_format (default its own: streamed /v1/chat/completions)",
     )
     return parser.parse_args()
-
-
-def vllm_env(args: argparse.Namespace) -> VllmEnv:
-    venv = Path(args.venv)
-    preload = args.preload
-    if preload is None:
-        tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-        preload = f"{tcmalloc}:{venv / 'lib' / 'libiomp5.so'}"
-    python = Path(args.vllm_python) if args.vllm_python else venv / "bin" / "python"
-    return VllmEnv(venv, python, preload, args.kv_space_gib, args.omp_bind)
 
 
 def main() -> None:
@@ -365,7 +240,10 @@ def main() -> None:
     offline = None
     if "offline" in parts:
         log_dir = Path(tempfile.mkdtemp(prefix="vllm_peer_offline_"))
-        offline = run_offline(path, workload, env, args.threads, args.repeats, log_dir)
+        offline = run_cell(
+            path, workload, env, "float32", "sharegpt", args.threads, args.repeats, args.seed,
+            log_dir,
+        )  # fmt: skip
         shutil.rmtree(log_dir, ignore_errors=True)  # kept, with vLLM's log, when it failed
     served: dict[str, list[Served]] = {system: [] for system in SYSTEMS}
     if "served" in parts:
@@ -373,7 +251,7 @@ def main() -> None:
             for system in SYSTEMS if round_idx % 2 == 0 else SYSTEMS[::-1]:
                 served[system].append(serve_sweep(system, args, env, path))
     if offline is not None:
-        report_offline(workload, offline)
+        report([offline])
     if "served" in parts:
         report_served(served, offline, args.streams)
 
