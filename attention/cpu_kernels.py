@@ -125,14 +125,7 @@ def paged_decode(
     if entry is None:
         raise ValueError(f"no CPU decode kernel for {query.dtype}")
     status = entry(
-        query.data_ptr(),
-        query.stride(0),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        query_start_loc.data_ptr(),
+        *_batch_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc),
         decode_seqs.data_ptr(),
         num_decodes,
         num_heads,
@@ -149,6 +142,27 @@ def paged_decode(
         raise ValueError(f"a decode's seq_len is outside [1, max_seq_len={max_seq_len}]")
     if status == _NO_MEMORY:
         raise MemoryError("CPU paged decode: could not allocate its per-thread scratch")
+
+
+def _batch_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> tuple[int, ...]:
+    """The arguments both kernels open with: the batch's pointers and row strides."""
+    return (
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+    )
 
 
 def parallel_width(num_threads: int) -> int:
@@ -329,14 +343,7 @@ def paged_prefill(
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     status = _prefill_entry_points()[query.dtype](
-        query.data_ptr(),
-        query.stride(0),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        query_start_loc.data_ptr(),
+        *_batch_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc),
         extend_seqs.data_ptr(),
         num_extends,
         num_heads,

@@ -67,16 +67,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits column-parallel over the vocabulary; may share its weight with the embedding."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        embedding_dim: int,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(vocab_size, embedding_dim, tp, dtype)
-        # Set by gemm.pack_module_weights once loaded: oneDNN's layout of `weight` on the CPU.
-        self.packed_weight: torch.Tensor | None = None
+    # Set by gemm.pack_module_weights once loaded: oneDNN's layout of `weight` on the CPU.
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied with compute_logits(hidden_states)")
