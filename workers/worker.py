@@ -11,7 +11,7 @@ import torch
 from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import tune_malloc, zeros_on_huge_pages
-from pagedray.workers.layers.gemm import pack_module_weights
+from pagedray.workers.layers.gemm import pack_module_weights, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -19,6 +19,10 @@ from pagedray.workers.parallel_state import TensorParallelGroup, init_tensor_par
 from pagedray.workers.sampler import Sampler
 from pagedray.workers.weight_loader import load_weights
 from pagedray.workers.worker_config import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
+
+# Batch sizes whose oneDNN primitives are compiled at start: 128 x 5 projection shapes take about
+# 0.3 s here; larger decode batches and prefill chunks compile on first use.
+WARM_UP_ROWS = 128
 
 
 class Worker:
@@ -102,6 +106,9 @@ class Worker:
         if self.rank == 0:
             generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
             sampler = Sampler(mc.eos_token_id, generator)
+        if self.device.type == "cpu":
+            # Decode steps run at every batch size up to max_num_seqs: compile those first.
+            warm_up(self.model, min(self.config.max_num_seqs, WARM_UP_ROWS))
         self.runner = ModelRunner(
             self.model,
             kv_cache,

@@ -108,3 +108,17 @@ def test_pack_module_weights_releases_only_unshared_weights() -> None:
     assert model.tied.weight.shape == (8, 16)  # the embedding still reads it
     for name, want in before.items():
         torch.testing.assert_close(getattr(model, name)(x), want)
+
+
+def test_warm_up_runs_each_packed_shape_once_per_row_count() -> None:
+    if gemm.pack(torch.randn(4, 4)) is None:
+        pytest.skip("oneDNN does not serve float32 here")
+    model = torch.nn.Module()
+    for name, shape in (("a", (8, 16)), ("b", (8, 16)), ("c", (24, 8))):  # a and b: one shape
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.randn(*shape), requires_grad=False)
+        module.packed_weight = None
+        setattr(model, name, module)
+    assert gemm.warm_up(model, 5) == 0  # nothing packed yet
+    gemm.pack_module_weights(model)
+    assert gemm.warm_up(model, 5) == 2 * 5
