@@ -35,7 +35,7 @@ from pagedray.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# One library: paged decode attention, and the decoder layer's element-wise ops that
+# One library: paged decode and prefill attention, and the decoder layer's element-wise ops that
 # workers/layers/cpu_ops.py calls.
 SOURCES = (
     Path(__file__).parent / "csrc" / "paged_decode_cpu.c",
@@ -96,30 +96,8 @@ def paged_decode(
         return
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    for name, t in (("query", query), ("out", out)):
-        if t.stride(-1) != 1 or t.stride(-2) != head_dim:
-            raise ValueError(f"{name}: heads must be contiguous, got strides {t.stride()}")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key_cache and value_cache must be contiguous")
-    if block_tables.stride(-1) != 1:
-        raise ValueError(f"block_tables: rows must be contiguous, got {block_tables.stride()}")
-    if not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype):
-        raise ValueError(
-            f"query, caches and out must share a dtype, got {query.dtype}, {key_cache.dtype}, "
-            f"{value_cache.dtype}, {out.dtype}"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    for name, t, dtype in (
-        ("block_tables", block_tables, torch.int32),
-        ("seq_lens", seq_lens, torch.int32),
-        ("query_start_loc", query_start_loc, torch.int32),
-        ("decode_seqs", decode_seqs, torch.int64),
-    ):
-        if t.dtype != dtype or t.device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
-    seq_lens, query_start_loc, decode_seqs = (
-        t.contiguous() for t in (seq_lens, query_start_loc, decode_seqs)
+    seq_lens, query_start_loc, decode_seqs = _checked(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out
     )
     entry = _entry_points().get(query.dtype)
     if entry is None:
@@ -142,6 +120,45 @@ def paged_decode(
         raise ValueError(f"a decode's seq_len is outside [1, max_seq_len={max_seq_len}]")
     if status == _NO_MEMORY:
         raise MemoryError("CPU paged decode: could not allocate its per-thread scratch")
+
+
+def _checked(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seqs: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raises ValueError where the kernels' layout assumptions do not hold; returns seq_lens,
+    query_start_loc and seqs contiguous."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    for name, t in (("query", query), ("out", out)):
+        if t.stride(-1) != 1 or t.stride(-2) != head_dim:
+            raise ValueError(f"{name}: heads must be contiguous, got strides {t.stride()}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables: rows must be contiguous, got {block_tables.stride()}")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype):
+        raise ValueError(
+            f"query, caches and out must share a dtype, got {query.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}, {out.dtype}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, t, dtype in (
+        ("block_tables", block_tables, torch.int32),
+        ("seq_lens", seq_lens, torch.int32),
+        ("query_start_loc", query_start_loc, torch.int32),
+        ("decode_seqs", seqs, torch.int64),
+    ):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    return seq_lens.contiguous(), query_start_loc.contiguous(), seqs.contiguous()
 
 
 def _batch_args(
@@ -335,13 +352,15 @@ def paged_prefill(
     out: torch.Tensor,  # like query: rows of the extend sequences are written
 ) -> None:
     """Causal attention of each extend sequence's query rows over its whole context, in place.
-
-    The caller has checked `prefill_supported` and the layouts paged_decode checks."""
+    The caller has checked `prefill_supported`."""
     num_extends = extend_seqs.numel()
     if num_extends == 0:
         return
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    seq_lens, query_start_loc, extend_seqs = _checked(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, extend_seqs, out
+    )
     status = _prefill_entry_points()[query.dtype](
         *_batch_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc),
         extend_seqs.data_ptr(),

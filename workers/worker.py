@@ -20,9 +20,11 @@ from pagedray.workers.sampler import Sampler
 from pagedray.workers.weight_loader import load_weights
 from pagedray.workers.worker_config import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
 
-# Batch sizes whose oneDNN primitives are compiled at start: 128 x 5 projection shapes take about
-# 0.3 s here; larger decode batches and prefill chunks compile on first use.
+# oneDNN primitives compiled at start, for decode batch sizes from 1 up: at most this many rows
+# and this long (128 x 5 projection shapes take about 0.3 s for the default model; a larger
+# model gets fewer sizes). The rest compile on first use.
 WARM_UP_ROWS = 128
+WARM_UP_BUDGET_S = 0.5
 
 
 class Worker:
@@ -107,8 +109,8 @@ class Worker:
             generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
             sampler = Sampler(mc.eos_token_id, generator)
         if self.device.type == "cpu":
-            # Decode steps run at every batch size up to max_num_seqs: compile those first.
-            warm_up(self.model, min(self.config.max_num_seqs, WARM_UP_ROWS))
+            # Decode steps run at batch sizes up to max_num_seqs: compile the small ones first.
+            warm_up(self.model, min(self.config.max_num_seqs, WARM_UP_ROWS), WARM_UP_BUDGET_S)
         self.runner = ModelRunner(
             self.model,
             kv_cache,

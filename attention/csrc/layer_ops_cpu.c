@@ -84,11 +84,14 @@ static inline float f32_r(float x) { return x; }
     /* Neox rotary embedding of the q and k heads of each row of qkv ([q heads | k heads | v      \
      * heads], rows `qkv_stride` apart), q in place; rotated k and plain v are written to their   \
      * slot of the caches ([num_slots, num_kv_heads, head_dim]); a slot < 0 is padding. cos and  \
-     * sin tables are float32 [max_position, head_dim / 2], rounded to T as torch casts them. */ \
-    void rope_store_##SUFFIX(T* qkv, int64_t qkv_stride, int64_t rows, int64_t num_heads,         \
-                             int64_t num_kv_heads, int64_t head_dim, const int64_t* positions,    \
-                             const float* cos_table, const float* sin_table, T* key_cache,        \
-                             T* value_cache, const int64_t* slots) {                              \
+     * sin tables are float32 [max_position, head_dim / 2], rounded to T as torch casts them.   \
+     * Returns -2, having written nothing, when a position is outside [0, max_position). */     \
+    int rope_store_##SUFFIX(T* qkv, int64_t qkv_stride, int64_t rows, int64_t num_heads,          \
+                            int64_t num_kv_heads, int64_t head_dim, const int64_t* positions,     \
+                            int64_t max_position, const float* cos_table, const float* sin_table, \
+                            T* key_cache, T* value_cache, const int64_t* slots) {                 \
+        for (int64_t r = 0; r < rows; ++r)                                                        \
+            if (positions[r] < 0 || positions[r] >= max_position) return -2;                      \
         const int64_t half = head_dim / 2;                                                        \
         const int64_t kv_row = num_kv_heads * head_dim;                                           \
         PRAGMA(omp parallel for schedule(static) if (rows * (num_heads + 2 * num_kv_heads) *      \
@@ -118,6 +121,7 @@ static inline float f32_r(float x) { return x; }
                 memcpy(value_cache + slot * kv_row, row + (num_heads + num_kv_heads) * head_dim,  \
                        sizeof(T) * kv_row);                                                       \
         }                                                                                         \
+        return 0;                                                                                 \
     }
 
 DEFINE_LAYER_OPS(f32, float)

@@ -12,9 +12,10 @@
  * fewer (one user's long decode), an item is one (sequence, KV head) pair, so that every thread
  * has work.
  *
- * Speed: on a CPU with AVX-512, head sizes that are a multiple of 16 take attend_sequence_avx512_*
- * (query and accumulator in registers, exponentials 16 at a time): 1.8x the portable loop at 64
- * sequences of 400 tokens. Either way the next block is prefetched while one is computed, since
+ * Speed: on a CPU with AVX-512, head sizes that are a multiple of 16 up to 256 with at most 8
+ * query heads per KV head take attend_sequence_avx512_* (each K/V row loaded once for its query
+ * heads, queries and accumulators in registers, 16 scores summed across lanes together,
+ * exponentials 16 at a time): 2x the portable loop at 64 sequences of 400 tokens. Either way the next block is prefetched while one is computed, since
  * blocks lie anywhere in the pool. Past that the kernel is bound by memory bandwidth: a decode
  * reads every cached K and V once.
  *

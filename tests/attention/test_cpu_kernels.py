@@ -42,7 +42,8 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
 def test_mixed_batch_matches_reference(
     num_heads, num_kv_heads, head_dim, block_size, dtype
 ) -> None:
-    # Decodes (kernel) between prefill chunks (torch), with and without cached context.
+    # Decodes between prefill chunks (the C prefill kernel with AVX-512, torch without), with
+    # and without cached context.
     query_lens, seq_lens = [19, 1, 7, 1, 24, 1], [19, 33, 64, 16, 50, 90]
     _check(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
 

@@ -29,7 +29,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, exact_bf16: bool = True) -> No
         assert torch.equal(got, want)
     elif want.dtype == torch.bfloat16:
         # A float32 intermediate a last bit apart from torch's (a sum in another order, an
-        # exponential other than Sleef's) can round to the neighbouring bf16: one step at most.
+        # exponential other than Sleef's) can round to a neighbouring bf16: a step or two.
         torch.testing.assert_close(got, want, atol=1e-6, rtol=2**-6)
     else:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -111,3 +111,15 @@ def test_serves_only_what_the_kernels_take() -> None:
     assert not cpu_ops.serves(torch.randn(3, 8, dtype=torch.float16))
     assert not cpu_ops.serves(torch.randn(2, 3, 8))  # 3-D: the torch code
     assert not cpu_ops.serves(torch.randn(8, 3).t())  # columns not contiguous
+
+
+def test_rope_refuses_a_position_past_its_tables() -> None:
+    rotary = RotaryEmbedding(8, 16, 10000.0)
+    qkv = torch.randn(2, 3 * 8)
+    caches = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
+    positions, slots = torch.tensor([3, 16]), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="outside the rotary tables"):
+        cpu_ops.rope_and_store(
+            qkv, 1, 1, 8, positions, rotary.cos_cache, rotary.sin_cache, *caches, slots
+        )
+    assert not caches[0].any()  # nothing written

@@ -119,6 +119,7 @@ def test_warm_up_runs_each_packed_shape_once_per_row_count() -> None:
         module.weight = torch.nn.Parameter(torch.randn(*shape), requires_grad=False)
         module.packed_weight = None
         setattr(model, name, module)
-    assert gemm.warm_up(model, 5) == 0  # nothing packed yet
+    assert gemm.warm_up(model, 5, 60.0) == 0  # nothing packed yet
     gemm.pack_module_weights(model)
-    assert gemm.warm_up(model, 5) == 2 * 5
+    assert gemm.warm_up(model, 5, 60.0) == 2 * 5
+    assert gemm.warm_up(model, 5, 0.0) == 0  # no time: nothing

@@ -18,6 +18,7 @@ from pagedray.attention import cpu_kernels
 from pagedray.attention.backend import TORCH_BACKEND
 from pagedray.attention.cpu_backend import CPU_BACKEND
 from pagedray.attention.metadata import AttentionMetadata
+from pagedray.workers.layers.gemm import pack_module_weights
 from pagedray.workers.layers.rotary import compute_inv_freq
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -152,6 +153,8 @@ def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     model_config = ModelConfig.from_pretrained(path, dtype="float32")
     model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), backend)
     model.load_weights(path)
+    if backend is CPU_BACKEND:
+        pack_module_weights(model)  # as a CPU worker does: products on oneDNN's packed weights
     return hf_model, model
 
 

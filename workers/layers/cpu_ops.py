@@ -28,7 +28,7 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "rms_norm": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
-    "rope_store": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
+    "rope_store": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR],
 }
 
 
@@ -94,9 +94,15 @@ def rope_and_store(
         raise ValueError("key_cache and value_cache must be contiguous")
     if key_cache.dtype != qkv.dtype or value_cache.dtype != qkv.dtype:
         raise ValueError(f"caches hold {key_cache.dtype}, activations are {qkv.dtype}")
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv: {qkv.shape[1]} columns for {num_heads}+2x{num_kv_heads} heads")
+    if key_cache.shape[-2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"caches hold {tuple(key_cache.shape[-2:])} heads x dims per slot")
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slot_mapping must be int64")
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     tokens = qkv.shape[0]
-    _entries()[qkv.dtype]["rope_store"](
+    status = _entries()[qkv.dtype]["rope_store"](
         qkv.data_ptr(),
         qkv.stride(0),
         tokens,
@@ -104,12 +110,15 @@ def rope_and_store(
         num_kv_heads,
         head_dim,
         positions.data_ptr(),
+        cos_cache.shape[0],
         cos_cache.data_ptr(),
         sin_cache.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         slot_mapping.data_ptr(),
     )
+    if status != 0:
+        raise ValueError(f"a position is outside the rotary tables ({cos_cache.shape[0]} rows)")
     return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
 
 
@@ -123,6 +132,7 @@ def _entries() -> dict[torch.dtype, dict[str, ctypes._CFuncPtr]]:
         entries[dtype] = {}
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int if name == "rope_store" else None
             entries[dtype][name] = fn
     return entries

@@ -10,9 +10,11 @@ library torch already uses for bfloat16 linears and vLLM's CPU build for its GEM
 The result stays IEEE float32: oneDNN accumulates in fp32 in another order than MKL, so outputs
 differ from `F.linear` by rounding only (checked against float64 in tests/workers).
 
-`torch.ops.mkldnn._linear_pointwise` takes the plain weight as it is (no packed copy, so no
-second weight in memory); it is a private op, so it is probed once and `F.linear` serves wherever
-it is missing or refuses (a CPU without oneDNN, a dtype oneDNN has no fast kernel for here).
+`torch.ops.mkldnn._linear_pointwise` takes the plain weight or, faster at decode sizes, one laid
+out once in oneDNN's blocked format (`pack`; `pack_module_weights` then releases the plain copy
+unless another module shares it, as a tied embedding does). It is a private op, so it is probed
+once and `F.linear` serves wherever it is missing or refuses (a CPU without oneDNN, a dtype
+oneDNN has no fast kernel for here).
 Set PAGEDRAY_CPU_GEMM=torch to force `F.linear` (to compare, or to rule oneDNN out).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -128,19 +131,25 @@ def _agrees_with_torch(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and bool(torch.allclose(got.double(), want, atol=tolerance * 40))
 
 
-def warm_up(model: torch.nn.Module, max_rows: int) -> int:
-    """Has oneDNN compile its primitive for every packed weight shape at 1..max_rows input rows,
-    so that a server's first decode steps do not pay it (about 0.4 ms a shape here, 0.2 s over a
-    first pass of the benchmark workload). Returns the number of products run."""
-    shapes = {
-        (tuple(module.packed_weight.shape), module.packed_weight.dtype): module.packed_weight
-        for module in model.modules()
-        if getattr(module, "packed_weight", None) is not None
-    }
-    count = 0
+def warm_up(model: torch.nn.Module, max_rows: int, budget_s: float) -> int:
+    """Has oneDNN compile its primitive for each packed projection (weight shape, with or
+    without bias) at 1, 2, ... max_rows input rows, smallest first, until `budget_s` is spent:
+    so that a server's first decode steps do not pay it (about 0.4 ms a shape here; 0.2 s over
+    a first pass of the benchmark workload). A large model's products take longer, so fewer
+    row counts fit in the budget. Returns the number of products run."""
+    projections = {}
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            bias = getattr(module, "bias", None)
+            key = (tuple(packed.shape), packed.dtype, bias is not None)
+            projections[key] = (packed, bias)
+    count, deadline = 0, time.perf_counter() + budget_s
     with torch.inference_mode():
-        for (shape, dtype), packed in shapes.items():
-            for rows in range(1, max_rows + 1):
-                linear(torch.zeros(rows, shape[1], dtype=dtype), torch.empty(0), None, packed)
+        for rows in range(1, max_rows + 1):
+            for (shape, dtype, _), (packed, bias) in projections.items():
+                if time.perf_counter() > deadline:
+                    return count
+                linear(torch.zeros(rows, shape[1], dtype=dtype), torch.empty(0), bias, packed)
                 count += 1
     return count

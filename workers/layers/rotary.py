@@ -72,7 +72,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._float32: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._float32: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -96,12 +96,14 @@ class RotaryEmbedding(nn.Module):
         """cos and sin as contiguous float32 tables, made once (the C rotation's input). A model
         cast to bf16 holds its tables rounded to bf16, as HF's cast at lookup rounds them: the
         float32 copy keeps exactly those values."""
-        if self._float32 is None or self._float32[0].device != self.cos_cache.device:
+        # Keyed by the table itself: a later .to() (another device or dtype) replaces it.
+        if self._float32 is None or self._float32[0] is not self.cos_cache:
             self._float32 = (
+                self.cos_cache,
                 self.cos_cache.float().contiguous(),
                 self.sin_cache.float().contiguous(),
             )
-        return self._float32
+        return self._float32[1], self._float32[2]
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer rotates by the same positions tensor: look the tables up once a forward.
