@@ -2,7 +2,10 @@
 
 The seeded ShareGPT-like workload of `offline_throughput.py` (greedy, EOS ignored, per-request
 output lengths) runs offline through `LLM.generate`, then through a `pagedray serve` subprocess on
-its own local Ray: every request at once to /v1/completions, without and with streaming.
+its own local Ray: every request at once to /v1/completions, without and with streaming. Each
+system first runs the whole workload once untimed (`--cold` skips it), so that a fresh server's
+one-off costs (oneDNN compiling a primitive per batch size it meets) are not timed against an
+engine that has paid them already.
 
     .venv/bin/python benchmarks/http_throughput.py            # 64 requests, a few minutes
     .venv/bin/python benchmarks/http_throughput.py --quick    # 16 short requests, a smoke run
@@ -193,7 +196,7 @@ class ServerCpu:
 # ---- offline: LLM.generate -------------------------------------------------------------------
 
 
-def run_offline(path: str, workload: Workload, threads: int, tp: int) -> Run:
+def run_offline(path: str, workload: Workload, threads: int, tp: int, warm: bool) -> Run:
     """`LLM.generate` in this process (its TP ranks as Ray actors on a local Ray of our own)."""
     import ray
 
@@ -219,6 +222,8 @@ def run_offline(path: str, workload: Workload, threads: int, tp: int) -> Run:
     try:
         llm = LLM(path, dtype="float32", num_threads=threads, tensor_parallel_size=tp)
         generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
+        if warm:
+            generate(workload.prompts, workload.output_lens)  # not timed
         with OtherCpu([os.getsid(0)]) as others:
             cpu_start = time.process_time()
             result = timed("LLM.generate", lambda: generate(workload.prompts, workload.output_lens))
@@ -374,9 +379,10 @@ async def complete(
 
 
 async def send_all(
-    url: str, workload: Workload, stream: bool, salt: str, sessions: list[int]
+    url: str, workload: Workload, stream: bool, salt: str, sessions: list[int], warm: bool
 ) -> tuple[float, list[Reply], float, dict[str, float]]:
-    """One untimed warm-up request, then every request at once.
+    """One untimed warm-up request (and with `warm` the whole workload, untimed, under another
+    cache salt), then every request at once.
 
     Returns the wall seconds, the replies, and other processes' CPU seconds meanwhile.
     """
@@ -387,6 +393,13 @@ async def send_all(
         model = (await client.models.list()).data[0].id
         warmup = workload.warmup_prompts[0], workload.warmup_output_lens[0]
         await complete(client, model, *warmup, stream, f"{salt}-warmup")  # not timed
+        if warm:
+            await asyncio.gather(
+                *(
+                    complete(client, model, p, n, stream, f"{salt}-warm")
+                    for p, n in zip(workload.prompts, workload.output_lens)
+                )
+            )
         with OtherCpu(sessions) as others, ServerCpu(sessions[1]) as server_cpu:
             client_cpu_start = time.process_time()
             start = time.perf_counter()
@@ -401,11 +414,11 @@ async def send_all(
         return wall_s, replies, others.others_s, server_cpu.by_role
 
 
-def run_http(server: Server, workload: Workload, stream: bool, tp: int) -> Run:
+def run_http(server: Server, workload: Workload, stream: bool, tp: int, warm: bool) -> Run:
     name = "HTTP stream" if stream else "HTTP"
     sessions = [os.getsid(0), server.proc.pid]
     wall_s, replies, others_s, cpu_by_role = asyncio.run(
-        send_all(server.url, workload, stream, f"{name} tp{tp}", sessions)
+        send_all(server.url, workload, stream, f"{name} tp{tp}", sessions, warm)
     )
     client_cpu_s = cpu_by_role.pop("client")
     counts = [r.completion_tokens for r in replies]
@@ -417,7 +430,13 @@ def run_http(server: Server, workload: Workload, stream: bool, tp: int) -> Run:
 
 
 def run_server(
-    path: str, workload: Workload, threads: int, tp: int, timeout_s: float, stream_interval: int
+    path: str,
+    workload: Workload,
+    threads: int,
+    tp: int,
+    timeout_s: float,
+    stream_interval: int,
+    warm: bool,
 ) -> list[Run]:
     """Start a server, run the workload through it without and with streaming, stop it."""
     log_dir = Path(tempfile.mkdtemp(prefix="pagedray_http_bench_"))
@@ -427,7 +446,7 @@ def run_server(
         print(f"server tp={tp} healthy after {startup_s:.0f} s at {server.url}", flush=True)
         runs = []
         for stream in (False, True):
-            runs.append(run_http(server, workload, stream, tp))
+            runs.append(run_http(server, workload, stream, tp, warm))
             print_progress(runs[-1])
     except BaseException:
         print(f"server tp={tp} failed; its log stays at {server.log_path}", flush=True)
@@ -538,6 +557,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
     )
+    parser.add_argument(
+        "--cold", action="store_true", help="no untimed pass of the workload before the timed one"
+    )
     return parser.parse_args()
 
 
@@ -559,10 +581,18 @@ def main() -> None:
                 f"load average {load}",
                 flush=True,
             )
-            runs.append(run_offline(path, workload, threads, tp))
+            runs.append(run_offline(path, workload, threads, tp, not args.cold))
             print_progress(runs[-1])
             runs.extend(
-                run_server(path, workload, threads, tp, args.startup_timeout, args.stream_interval)
+                run_server(
+                    path,
+                    workload,
+                    threads,
+                    tp,
+                    args.startup_timeout,
+                    args.stream_interval,
+                    not args.cold,
+                )  # fmt: skip
             )
     report(workload, median_runs(runs))
 
