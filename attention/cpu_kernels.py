@@ -329,15 +329,12 @@ def _cpu_identity() -> str:
     return "\n".join(identity)
 
 
+@functools.cache
 def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether paged_prefill serves this dtype and head size here (AVX-512 builds only)."""
-    return (
-        available()
-        and bool(_library().paged_prefill_supported())
-        and dtype in _prefill_entry_points()
-        and head_dim % 16 == 0
-        and head_dim <= 256
-    )
+    if not (available() and _library().paged_prefill_supported()):
+        return False
+    return dtype in _prefill_entry_points() and head_dim % 16 == 0 and head_dim <= 256
 
 
 def paged_prefill(

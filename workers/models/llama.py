@@ -77,16 +77,10 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden_states.shape[0]
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q_size = self.qkv_proj.q_size
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, dim]
-            # Qwen3 normalises each head over head_dim before rope.
-            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        elif self.attention.name == "cpu" and cpu_ops.serves(qkv):
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if self.q_norm is None and self.attention.name == "cpu" and cpu_ops.serves(qkv):
             # One C pass: q rotated in place, rotated k and v written to their cache slots.
             cos_table, sin_table = self.rotary_emb.float32_tables()
             q = cpu_ops.rope_and_store(
@@ -97,22 +91,41 @@ class LlamaAttention(nn.Module):
                 positions,
                 cos_table,
                 sin_table,
-                kv_cache[0],
-                kv_cache[1],
+                key_cache,
+                value_cache,
                 metadata.slot_mapping,
             )
-            out = self.attention.paged_attention(q, kv_cache[0], kv_cache[1], metadata, self.scale)
-            return self.o_proj(out.reshape(num_tokens, q_size))
+        else:
+            q = self._rotate_and_store(qkv, positions, key_cache, value_cache, metadata)
+        out = self.attention.paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, q_size))  # out: [num_tokens, heads, head_dim]
+
+    def _rotate_and_store(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+        positions: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # q: [num_tokens, heads, head_dim]
+        """(q/k norm), rope, and k and v written to the cache, in torch and the backend."""
+        num_tokens = qkv.shape[0]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, dim]
+            # Qwen3 normalises each head over head_dim before rope.
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         else:
             # q and k heads sit side by side in qkv: rotate them in one pass.
             qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
             qk = self.rotary_emb.rotate(positions, qk)  # [tokens, heads + kv_heads, head_dim]
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Written before attending: this step's tokens attend to themselves through the cache.
         self.attention.store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = self.attention.paged_attention(q, key_cache, value_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, q_size))  # out: [num_tokens, heads, head_dim]
+        return q
 
 
 class LlamaMLP(nn.Module):
