@@ -27,6 +27,7 @@ from pagedray.engine.async_engine import (
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.workers.compute_thread import compute_thread
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
@@ -67,7 +68,8 @@ class EngineDeployment:
             from pagedray.engine.engine_factory import build_engine
 
             engine_builder = build_engine
-        engine, self.executor, _, _ = engine_builder(self.config)
+        # Built on the thread that will step it (see workers/compute_thread.py).
+        engine, self.executor, _, _ = compute_thread().run(engine_builder, self.config)
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
         model_name = self.config.served_model_name or Path(self.config.model).name
         self.engine = AsyncEngine(

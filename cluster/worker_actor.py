@@ -3,7 +3,8 @@
 The constructor does nothing heavy, so the executor can first ask rank 0 where it lives and
 which port is free, then start every rank's `Worker` against that rendezvous at the same time.
 Steps arrive as actor calls, through a compiled graph's loop, or on a pipe thread
-(cluster/pipe_dispatch.py); whichever way, one step runs at a time.
+(cluster/pipe_dispatch.py); whichever way, one step runs at a time, and it runs on the process's
+compute thread, which also built the worker (see workers/compute_thread.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ray
 
 from pagedray.cluster.pipe_dispatch import PipeWorkerLoop
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.worker import Worker
 from pagedray.workers.worker_config import WorkerConfig
 
@@ -48,13 +50,13 @@ class WorkerActor:
 
     def init_worker(self, config: WorkerConfig, rank: int, init_method: str | None) -> None:
         """Join the TP group and load this rank's weight shard; blocks until all ranks join."""
-        self.worker = Worker(config, rank, init_method)
+        self.worker = compute_thread().run(Worker, config, rank, init_method)
 
     def determine_num_kv_blocks(self) -> int:
-        return self._worker.determine_num_kv_blocks()
+        return compute_thread().run(self._worker.determine_num_kv_blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._worker.init_kv_cache(num_blocks)
+        compute_thread().run(self._worker.init_kv_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None (less to send)."""
@@ -87,7 +89,7 @@ class WorkerActor:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         with self._step_lock:
-            return self._worker.execute_model(scheduler_output)
+            return compute_thread().run(self._worker.execute_model, scheduler_output)
 
     @property
     def _worker(self) -> Worker:

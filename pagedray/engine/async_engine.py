@@ -1,8 +1,8 @@
 """The engine core driven from asyncio: many concurrent requests, one continuous-batching loop.
 
-`EngineCore` is synchronous and not thread-safe, so every call into it happens on the event loop
-while no step is in flight; only `step()` runs in a thread, which keeps the loop free for
-requests, aborts, health checks and the last step's bookkeeping while the model runs.
+`EngineCore` is not thread-safe: every call into it happens on the event loop while no step is in
+flight; `step()` runs on the compute thread (workers/compute_thread.py), keeping the loop free
+for requests, aborts, health checks and the last step's bookkeeping while the model runs.
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ from pagedray.engine.admission import (
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
 from pagedray.engine.request_stream import RequestStream
 from pagedray.engine.step_metrics import StepMetricsRecorder, StepRecord
-from pagedray.engine.step_outputs import (
-    RequestStepOutput,
-    usage_of,
-)
+from pagedray.engine.step_outputs import RequestStepOutput, usage_of
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import EngineRequest, RequestStatus
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.compute_thread import compute_thread
 
 if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
     from pagedray.cluster.metrics import EngineMetrics
@@ -224,6 +222,7 @@ class AsyncEngine:
         aborts) is done between steps."""
         assert self._wakeup is not None
         finished_step: _FinishedStep | None = None
+        compute = compute_thread()
         try:
             while True:
                 self._apply_pending()
@@ -238,7 +237,7 @@ class AsyncEngine:
                     continue
                 num_steps = self.engine.num_steps
                 self._step_started = time.monotonic()
-                step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+                step = asyncio.get_running_loop().run_in_executor(compute, self.engine.step)
                 try:
                     if finished_step is not None:
                         self._complete(finished_step)

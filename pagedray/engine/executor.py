@@ -12,7 +12,11 @@ from pagedray.workers.worker_config import WorkerConfig
 
 
 class UniProcExecutor:
-    """One in-process worker: no serialization, no dispatch cost."""
+    """One in-process worker: no serialization, no dispatch cost.
+
+    It runs on the thread that calls it; its callers (`LLM`, `AsyncEngine`) build and step it on
+    the process's compute thread (workers/compute_thread.py), so that OpenMP keeps one team.
+    """
 
     def __init__(self, config: WorkerConfig) -> None:
         if config.tensor_parallel_size != 1:

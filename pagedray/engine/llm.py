@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
+from concurrent import futures
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -14,8 +17,10 @@ from pagedray.engine.prompts import as_prompt_list
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.compute_thread import compute_thread
 
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
+INTERRUPT_POLL_S = 0.1  # how soon a Ctrl-C stops `generate` at the latest
 
 
 class LLM:
@@ -60,10 +65,13 @@ class LLM:
         )
         from pagedray.engine.engine_factory import build_engine
 
-        self.engine, self.executor, self.tokenizer, self.validator = build_engine(self.config)
+        # The model is built and stepped on one thread (see workers/compute_thread.py).
+        built = compute_thread().run(build_engine, self.config)
+        self.engine, self.executor, self.tokenizer, self.validator = built
         # Nothing streams out of `generate`: text is decoded once per output, at its end.
         self.output_processor = OutputProcessor(self.tokenizer, stream_text=False)
         self._request_counter = itertools.count()
+        self._interrupted = threading.Event()  # set: `_run` stops before its next step
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -114,7 +122,7 @@ class LLM:
             )
             self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
         try:
-            self._run(request_ids, use_tqdm)
+            self._run_on_compute_thread(request_ids, use_tqdm)
         except BaseException:
             self.engine.abort_requests(request_ids)
             for request_id in request_ids:
@@ -145,11 +153,30 @@ class LLM:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    def _run_on_compute_thread(self, request_ids: list[str], use_tqdm: bool) -> None:
+        """`_run` on the compute thread. Interrupted here (Ctrl-C), it first stops the loop
+        between two steps, so that the caller's abort never runs beside a step."""
+        self._interrupted.clear()
+        if compute_thread().is_current():
+            return self._run(request_ids, use_tqdm)
+        run = compute_thread().submit(self._run, request_ids, use_tqdm)
+        try:
+            # NOTE: in slices, since a SIGINT that lands on another thread reaches this one only
+            # when it next runs Python code.
+            while not futures.wait([run], timeout=INTERRUPT_POLL_S).done:
+                pass
+            run.result()
+        except BaseException:
+            self._interrupted.set()
+            with contextlib.suppress(BaseException):
+                run.result()
+            raise
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> None:
         pending = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start, num_output_tokens = time.perf_counter(), 0
-        while pending:
+        while pending and not self._interrupted.is_set():
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError("engine stopped with requests unfinished")
             outputs = self.engine.step()
@@ -165,3 +192,5 @@ class LLM:
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"output: {num_output_tokens / elapsed:.1f} toks/s")
         bar.close()
+        if pending:
+            raise RuntimeError("generate was interrupted")
