@@ -7,14 +7,18 @@ loop. More replicas = more independent engines; Serve routes requests among them
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import pickle
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.serve import Deployment
+from ray.serve.config import RequestRouterConfig
 
+from pagedray.cluster.engine_router import EngineRequestRouter
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.admission import RETRY_AFTER_S, EngineOverloadedError, RequestTimeoutError
@@ -25,7 +29,9 @@ from pagedray.engine.async_engine import (
     RequestFailedError,
 )
 from pagedray.engine.config import EngineConfig
+from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.request_stream import Sink
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.workers.compute_thread import compute_thread
 
@@ -81,28 +87,28 @@ class EngineDeployment:
             request_timeout_s=self.config.request_timeout_s or None,
         )
         self.replica_id = _replica_id()
+        self.channels = OutputChannels()
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[RequestStepOutput]:
         """Stream a request's per-step outputs; the first item says whether it was accepted.
 
         `request` holds request_id, prompt_token_ids, sampling_params (a validated
-        `SamplingParams`) and optionally priority, cache_salt and stream_interval (tokens per
-        message; None: one message at the end; default: the config's). Errors are yielded as
-        an output with `error` set (never raised), so the caller can map them to HTTP statuses.
+        `SamplingParams`) and optionally priority, cache_salt, stream_interval (tokens per
+        message; None: one message at the end; default: the config's) and channel_id (the
+        outputs then go through that output channel, and this call yields only the acceptance,
+        which names this replica, and an error if the request fails). Errors are yielded as an
+        output with `error` set (never raised), so the caller can map them to HTTP statuses.
         """
         request_id = request["request_id"]
         call_logger.debug(
             "generate %s: %d prompt tokens", request_id, len(request["prompt_token_ids"])
         )
+        if request.get("channel_id") is not None:
+            async for output in self._generate_to_channel(request, request["channel_id"]):
+                yield output
+            return
         try:
-            stream = self.engine.add_request(
-                request_id,
-                request["prompt_token_ids"],
-                request["sampling_params"],
-                priority=request.get("priority", 0),
-                cache_salt=request.get("cache_salt"),
-                stream_interval=request.get("stream_interval", self.config.stream_interval),
-            )
+            stream = self._add_request(request)
         except Exception as exc:  # noqa: BLE001 - reported to the client, not raised
             yield error_output(request_id, exc)
             return
@@ -114,6 +120,67 @@ class EngineDeployment:
                     yield output
             except Exception as exc:  # noqa: BLE001
                 yield error_output(request_id, exc)
+
+    async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:
+        """Output channel `channel_id`'s batches, one per step, while the caller reads: each a
+        pickled `list[RequestStepOutput]`.
+
+        `replica_id` is the replica the caller addressed (`EngineRequestRouter` routes such a
+        call there, or anywhere if that replica is gone): another replica refuses the call.
+        """
+        if replica_id != self.replica_id:
+            raise RuntimeError(f"engine replica {replica_id} is gone")
+        async for batch in self.channels.subscribe(channel_id):
+            # NOTE: Serve pickles what a replica yields with cloudpickle's Python-level pickler:
+            # 0.18 ms for a step of 64 outputs here, against 0.08 for the C pickler.
+            yield pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
+
+    async def _generate_to_channel(
+        self, request: dict[str, Any], channel_id: str
+    ) -> AsyncIterator[RequestStepOutput]:
+        """`generate` for a request whose outputs go to output channel `channel_id`."""
+        request_id = request["request_id"]
+        channel = self.channels.open(channel_id)
+        channel.request_ids.add(request_id)
+        ended: asyncio.Future[RequestStepOutput | None] = asyncio.get_running_loop().create_future()
+
+        def sink(item: RequestStepOutput | BaseException) -> None:
+            if ended.done():
+                return
+            if isinstance(item, BaseException):
+                ended.set_result(error_output(request_id, item))
+                return
+            channel.put(item)
+            if item.finished:
+                ended.set_result(None)
+
+        finished = False
+        try:
+            self._add_request(request, sink)
+            yield RequestStepOutput(request_id, replica_id=self.replica_id)  # accepted
+            error = await ended
+            finished = error is None
+            if error is not None:
+                yield error
+        except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
+            yield error_output(request_id, exc)
+        finally:
+            if not finished:  # cancelled (the client went away) or failed: nothing more comes
+                self.engine.abort(request_id)
+            self.channels.end_request(channel_id, request_id, discard_outputs=not finished)
+
+    def _add_request(
+        self, request: dict[str, Any], sink: Sink | None = None
+    ) -> AsyncIterator[RequestStepOutput]:
+        return self.engine.add_request(
+            request["request_id"],
+            request["prompt_token_ids"],
+            request["sampling_params"],
+            priority=request.get("priority", 0),
+            cache_salt=request.get("cache_salt"),
+            stream_interval=request.get("stream_interval", self.config.stream_interval),
+            sink=sink,
+        )
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -188,6 +255,7 @@ def engine_deployment_options(
         "placement_group_strategy": "STRICT_PACK",
         "ray_actor_options": {"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0)},
         "health_check_period_s": health_check_period_s,
+        "request_router_config": RequestRouterConfig(request_router_class=EngineRequestRouter),
     }
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config

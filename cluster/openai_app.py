@@ -44,6 +44,7 @@ from pagedray.openai.ingress_guard import (
     IngressGuard,
     http_error,
 )
+from pagedray.openai.output_subscriber import OutputSubscriber
 from pagedray.openai.prompts import (
     RequestT,
     chat_prompt,
@@ -154,6 +155,8 @@ class OpenAIIngress:
         self.model_name = self.config.served_model_name or Path(self.config.model).name
         self.tokenizer = load_tokenizer(self.config)
         self.control = EngineControl(engine, config_max_model_len(self.config))
+        # Streamed outputs come through the engines' output channels, a message per step.
+        self.subscriber = OutputSubscriber(engine)
         self.validator = make_validator(self.config, self.tokenizer, self.control.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.guard = GuardSettings(api_key_sha256, max_request_body_bytes)
@@ -368,7 +371,7 @@ class OpenAIIngress:
             }
             for i, prompt in enumerate(prompts)
         ]
-        streams = EngineStreams(self.engine, requests, self.tokenizer)
+        streams = EngineStreams(self.engine, requests, self.tokenizer, self.subscriber)
         error = await streams.open()
         return engine_error_response(error) if error is not None else streams
 

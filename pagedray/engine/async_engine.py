@@ -22,7 +22,7 @@ from pagedray.engine.admission import (
     default_max_num_waiting,
 )
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
-from pagedray.engine.request_stream import RequestStream
+from pagedray.engine.request_stream import RequestStream, Sink
 from pagedray.engine.step_metrics import StepMetricsRecorder, StepRecord
 from pagedray.engine.step_outputs import RequestStepOutput, usage_of
 from pagedray.scheduler.engine_core import EngineCore
@@ -117,11 +117,13 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         stream_interval: int | None = 1,
+        sink: Sink | None = None,
     ) -> AsyncIterator[RequestStepOutput]:
         """Queue a validated request; returns its stream of outputs, merged per
         `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
 
-        Closing or cancelling the stream before it finishes aborts the request.
+        Closing or cancelling the stream before it finishes aborts the request. With `sink`,
+        each output (or the failure) goes to it instead, and `abort()` ends the request.
 
         Raises:
             EngineDeadError: the loop has stopped.
@@ -154,7 +156,7 @@ class AsyncEngine:
             cache_salt=cache_salt,
         )
         self._pending[request_id] = _PendingRequest(engine_request, prompt)
-        request_stream = RequestStream(stream_interval)
+        request_stream = RequestStream(stream_interval, sink)
         self._streams[request_id] = request_stream
         self.admission.track(request_id, self._streams, len(self._streams))
         self._wake()
@@ -274,11 +276,9 @@ class AsyncEngine:
     async def _wait_for_work(self) -> None:
         """Sleep until woken; with metrics, at most `METRICS_REFRESH_S` (gauges stay exported)."""
         assert self._wakeup is not None
-        if self.metrics is None:
-            await self._wakeup.wait()
-            return
+        timeout_s = None if self.metrics is None else METRICS_REFRESH_S
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), METRICS_REFRESH_S)
+            await asyncio.wait_for(self._wakeup.wait(), timeout_s)
 
     def _expire_deadlines(self) -> None:
         """Abort every request past its deadline and fail its stream with a timeout."""

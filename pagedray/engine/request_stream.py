@@ -4,6 +4,8 @@ queue its reader waits on, and the reading itself.
 What is held back (`StreamCoalescer`) stays on the loop's side, so a reader is woken only when
 there is something to send: a client that does not stream wakes once, at the end, instead of
 every step (the loop then spends less time, and holds the GIL less, beside the running model).
+A stream with a sink hands each message to it at once instead (an output channel's, which
+batches a step's messages for many requests into one).
 """
 
 from __future__ import annotations
@@ -13,22 +15,25 @@ from typing import AsyncIterator, Callable
 
 from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer, merge_step_outputs
 
+Sink = Callable[[RequestStepOutput | BaseException], None]
+
 
 class RequestStream:
-    """Outputs in, coalesced; read once, by the request's caller."""
+    """Outputs in, coalesced; read once, by the request's caller, or handed to `sink`."""
 
-    def __init__(self, stream_interval: int | None) -> None:
+    def __init__(self, stream_interval: int | None, sink: Sink | None = None) -> None:
         self.coalescer = StreamCoalescer(stream_interval)
         self.queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
+        self.send: Sink = sink if sink is not None else self.queue.put_nowait
 
     def put(self, output: RequestStepOutput) -> None:
         self.coalescer.add(output)
         if self.coalescer.ready():
-            self.queue.put_nowait(self.coalescer.take())
+            self.send(self.coalescer.take())
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc`; what was held is dropped (the request failed)."""
-        self.queue.put_nowait(exc)
+        self.send(exc)
 
     async def read(self, on_close: Callable[[], None]) -> AsyncIterator[RequestStepOutput]:
         """The outputs until the finished one (or the failure, raised); closing or cancelling it

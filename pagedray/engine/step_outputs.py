@@ -24,6 +24,9 @@ class RequestStepOutput:
     metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
     error: dict[str, Any] | None = None  # set instead of deltas when the request failed
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known after prefill)
+    # On the acceptance of a request whose outputs go through an output channel: the engine
+    # replica that holds it, whose channel the caller subscribes to (`output_channel.py`).
+    replica_id: str | None = None
 
 
 class StreamCoalescer:

@@ -9,30 +9,54 @@ are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as Open
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, AsyncGenerator
 
 from pagedray.engine.request_text import RequestText
 from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.openai.output_subscriber import OutputSubscriber
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
+# Seconds a streamed request's finish may trail its call's end (they travel on separate streams).
+CHANNEL_LAG_S = 10.0
 
 
 class EngineStreams:
     """The engine-side streams of one client request, opened together, given their text here
     (the engine streams token ids) and merged.
 
+    With a `subscriber`, streamed requests (a `stream_interval`) take their outputs from the
+    engines' output channels, and their own calls carry only acceptance and failure.
+
     A stream whose every choice has ended here (a stop string) is finished at once and its
     engine request cancelled, which aborts it in the engine.
     """
 
-    def __init__(self, engine: Any, requests: list[dict[str, Any]], tokenizer: Any) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        requests: list[dict[str, Any]],
+        tokenizer: Any,
+        subscriber: OutputSubscriber | None = None,
+    ) -> None:
         streaming = engine.options(stream=True)
         self.request_ids = [request["request_id"] for request in requests]
         self.texts = [
             RequestText(tokenizer, request["prompt_token_ids"], request["sampling_params"])
             for request in requests
         ]
+        # (prompt index, an output, an error, or None: the request's own call ended)
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.subscriber = subscriber
+        self.by_channel: set[int] = set()
+        if subscriber is not None:
+            for index, request in enumerate(requests):
+                if request.get("stream_interval") is not None:
+                    request["channel_id"] = subscriber.channel_id
+                    deliver = functools.partial(_put_indexed, self.queue, index)
+                    subscriber.register(request["request_id"], deliver)
+                    self.by_channel.add(index)
         self.generators = [streaming.generate.remote(request) for request in requests]
 
     async def open(self) -> dict[str, Any] | None:
@@ -49,11 +73,15 @@ class EngineStreams:
             if error is not None:
                 self.close()
                 return error
+        for index in self.by_channel:
+            assert self.subscriber is not None
+            replica_id = getattr(firsts[index], "replica_id", None)
+            self.subscriber.accepted(self.request_ids[index], replica_id)
         return None
 
     async def merged(self) -> AsyncGenerator[tuple[int, RequestStepOutput], None]:
         """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        queue = self.queue
 
         async def pump(index: int, gen: Any) -> None:
             try:
@@ -67,18 +95,27 @@ class EngineStreams:
                 queue.put_nowait((index, None))  # every pump ends with exactly one None
 
         tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.generators)]
-        remaining = len(tasks)
         done: set[int] = set()  # streams finished here: later items are dropped
+        calls_ended: set[int] = set()
         try:
-            while remaining:
+            while len(calls_ended) < len(tasks) or len(done) < len(tasks):
                 index, item = await queue.get()
                 if item is None:
-                    remaining -= 1
+                    calls_ended.add(index)
+                    if index in self.by_channel and index not in done:
+                        # Its finish travels on the channel, which may lag the call's end.
+                        lost = ChannelLostError(self.request_ids[index])
+                        asyncio.get_running_loop().call_later(
+                            CHANNEL_LAG_S, queue.put_nowait, (index, lost)
+                        )
+                    else:
+                        done.add(index)
                     continue
                 if index in done:
                     continue
                 error = _error_of(item, self.request_ids[index])
                 if error is not None:
+                    done.add(index)
                     yield index, RequestStepOutput("", error=error)
                     continue
                 output = self._with_text(index, item)
@@ -119,6 +156,17 @@ class EngineStreams:
         # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
         for gen in self.generators:
             gen.cancel()
+        if self.subscriber is not None:
+            for index in self.by_channel:
+                self.subscriber.unregister(self.request_ids[index])
+
+
+class ChannelLostError(RuntimeError):
+    """A streamed request's call ended, but its finish never came through the output channel."""
+
+
+def _put_indexed(queue: asyncio.Queue[tuple[int, Any]], index: int, output: Any) -> None:
+    queue.put_nowait((index, output))
 
 
 def _error_of(item: Any, request_id: str) -> dict[str, Any] | None:

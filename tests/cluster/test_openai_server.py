@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import pickle
 import time
 from typing import Any, Iterator
 
@@ -488,6 +489,65 @@ def test_both_replicas_serve(client: openai.OpenAI, main_url: str) -> None:
                 break
     assert len({r["replica_id"] for r in replicas}) == 2
     assert all(r["num_steps"] > 0 for r in replicas), replicas
+
+
+def test_concurrent_streams_on_both_replicas_come_through_their_channels(
+    client: openai.OpenAI, main_url: str
+) -> None:
+    """Each ingress reads one output channel per engine replica; streams stay apart."""
+    prompts = [[7, 3 + i, 11, 5 * i] for i in range(12)]
+
+    def streamed(prompt: list[int]) -> str:
+        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in client.completions.create(**kwargs) if c.choices)
+
+    steps_before = {r["replica_id"]: r["num_steps"] for r in _stats(main_url)}
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        texts = list(pool.map(streamed, prompts))
+    stepped = [r["num_steps"] > steps_before.get(r["replica_id"], 0) for r in _stats(main_url)]
+    whole = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+        for p in prompts
+    ]
+    assert texts == [w.choices[0].text for w in whole]
+    assert stepped == [True, True]
+
+
+def test_a_channel_is_read_on_the_replica_that_holds_the_request(
+    main_url: str, offline: LLM
+) -> None:
+    """Through the engine deployment's own handle: the acceptance names the replica, a
+    subscription addressed to it gets the outputs, one addressed to a gone replica fails."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("PagedRayEngine", "main").options(stream=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    request = {
+        "request_id": "channel-test-0",
+        "prompt_token_ids": [3, 1, 4, 1, 5],
+        "sampling_params": params,
+        "stream_interval": 1,
+        "channel_id": "channel-test",
+    }
+    call = engine.generate.remote(request)
+    accepted = next(call)
+    assert accepted.error is None and accepted.replica_id
+    outputs = []
+    batches = engine.subscribe.remote("channel-test", replica_id=accepted.replica_id)
+    for pickled in batches:
+        outputs.extend(pickle.loads(pickled))
+        if outputs[-1].finished:
+            break
+    batches.cancel()
+    assert list(call) == []  # the request's own call ends without an error
+    expected = offline.generate([{"prompt_token_ids": request["prompt_token_ids"]}], params)
+    tokens = [t for output in outputs for d in output.deltas for t in d.token_ids]
+    assert tokens == expected[0].outputs[0].token_ids
+    assert outputs[-1].usage is not None and outputs[-1].usage["completion_tokens"] == 6
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="engine replica no-such-replica is gone"):
+        next(engine.subscribe.remote("channel-test", replica_id="no-such-replica"))
+    assert time.perf_counter() - start < 10
 
 
 # ---- the limited app: API key, waiting-queue bound, stream interval ------------------------
