@@ -168,6 +168,34 @@ def _role_of(pid: int) -> str:
     return "other Ray processes"
 
 
+# The OS name of pagedray's compute thread (workers/compute_thread.py, cut to 15 bytes), which
+# the OpenMP threads it starts inherit: their CPU is the model's.
+COMPUTE_THREAD_NAME = "pagedray-comput"
+MODEL_PART, LOOP_PART = "model", "loop and Ray"
+
+
+def cpu_ticks(pid: int, role: str) -> dict[str, int]:
+    """A process's CPU ticks (user + system) by role; the engine replica's split between its
+    model ("engine replica: model": the compute thread and its OpenMP threads) and the rest
+    (the event loop, output processing, Ray's and Serve's threads)."""
+    fields = _stat_fields(pid)
+    if not fields:
+        return {}
+    total = int(fields[11]) + int(fields[12])
+    if role != "engine replica":
+        return {role: total}
+    model = 0
+    with contextlib.suppress(OSError):  # exited meanwhile
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                    if comm.read().strip() != COMPUTE_THREAD_NAME:
+                        continue
+                task = _stat_fields(f"{pid}/task/{tid}")
+                model += int(task[11]) + int(task[12]) if task else 0
+    return {f"{role}: {MODEL_PART}": model, f"{role}: {LOOP_PART}": max(0, total - model)}
+
+
 class ServerCpu:
     """CPU seconds each role of a server's processes used over a `with` block (from /proc)."""
 
@@ -175,12 +203,11 @@ class ServerCpu:
         self.session = session
         self.by_role: dict[str, float] = {}
 
-    def _snapshot(self) -> dict[int, tuple[str, int]]:
+    def _snapshot(self) -> dict[tuple[int, str], int]:
         snapshot = {}
         for pid in session_pids(self.session):
-            fields = _stat_fields(pid)
-            if fields:
-                snapshot[pid] = (_role_of(pid), int(fields[11]) + int(fields[12]))
+            for role, ticks in cpu_ticks(pid, _role_of(pid)).items():
+                snapshot[pid, role] = ticks
         return snapshot
 
     def __enter__(self) -> ServerCpu:
@@ -188,8 +215,8 @@ class ServerCpu:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for pid, (role, ticks) in self._snapshot().items():
-            used = ticks - self._start.get(pid, (role, 0))[1]
+        for (pid, role), ticks in self._snapshot().items():
+            used = ticks - self._start.get((pid, role), 0)
             self.by_role[role] = self.by_role.get(role, 0.0) + used / CLOCK_TICKS
 
 
@@ -515,7 +542,8 @@ def report(workload: Workload, runs: list[Run]) -> None:
                 f"p90 {percentile(run.ttft_s, 0.9):.2f} s over {len(run.ttft_s)} requests"
             )
     print("CPU per output token (ms), by process; serving overhead = all of a server's CPU less")
-    print("what LLM.generate's process spent per token on the same workload:")
+    print("what LLM.generate's process spent per token on the same workload; outside the model =")
+    print("all of it but the engine replica's compute thread and its OpenMP threads:")
     for run in runs:
         base = offline.get(run.tp)
         roles = ", ".join(
@@ -525,6 +553,8 @@ def report(workload: Workload, runs: list[Run]) -> None:
         line = f"  {run.name} tp={run.tp}: total {run.cpu_ms_per_token():.3f} ({roles})"
         if base is not None and run is not base and run.tp == 1:
             line += f"; serving overhead {run.cpu_ms_per_token() - base.cpu_ms_per_token():.3f}"
+            outside = sum(s for role, s in run.cpu_by_role.items() if MODEL_PART not in role)
+            line += f"; outside the model {1000 * outside / max(1, run.num_output_tokens):.3f}"
         if run.client_cpu_s:
             line += f"; the client {1000 * run.client_cpu_s / max(1, run.num_output_tokens):.3f}"
         print(line)

@@ -57,6 +57,7 @@ from http_throughput import CONTENDED, Server, _role_of
 from offline_throughput import benchmark_workload
 from vllm_offline import Cell, add_vllm_args, report, run_cell, vllm_env
 from vllm_peer_tools import (
+    MODEL_ROLES,
     CpuTimeline,
     Guidellm,
     Profile,
@@ -191,6 +192,8 @@ def report_served(served: dict[str, list[Served]], offline: Cell | None, streams
         parts = ", ".join(f"{r} {ms([r]):.3f}" for r in sorted(roles, key=lambda r: -ms([r])))
         client = ms(["guidellm client"])
         print(f"  {system}: server {ms(sorted(roles)):.3f} ({parts}); guidellm client {client:.3f}")
+        outside = sorted(roles - MODEL_ROLES)
+        print(f"    outside the model ({', '.join(outside)}): {ms(outside):.3f}")
         if max(s.others_share for s in runs) >= CONTENDED:
             print(f"WARNING: other processes used the CPUs during {system}'s concurrent run(s)")
 

@@ -19,8 +19,10 @@ from typing import IO, Any, Callable
 from http_throughput import (
     CLOCK_TICKS,
     EXIT_WAIT_S,
+    MODEL_PART,
     Server,
     _stat_fields,
+    cpu_ticks,
     free_port,
     process_title,
     session_pids,
@@ -28,6 +30,9 @@ from http_throughput import (
 from offline_throughput import Workload
 
 WORKER = Path(__file__).with_name("vllm_peer_worker.py")
+# Roles whose CPU runs the model: pagedray's compute thread and its OpenMP threads (or its TP
+# worker actors), vLLM's worker process; the rest of a server's CPU is the serving path's.
+MODEL_ROLES = {f"engine replica: {MODEL_PART}", "worker actors", "worker"}
 # Environment variables that would point vLLM's interpreter at our packages or our Ray.
 FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RAY_ADDRESS")
 OFFLINE_TIMEOUT_S = 900.0
@@ -237,8 +242,8 @@ def wait_quiet(sessions: list[int], limit_s: float = 15.0, interval_s: float = 0
 # ---- CPU by process over a time window -------------------------------------------------------
 
 
-# One sample: (epoch seconds, machine busy CPU seconds, {pid: (role, CPU ticks)}).
-Sample = tuple[float, float, dict[int, tuple[str, int]]]
+# One sample: (epoch seconds, machine busy CPU seconds, {(pid, role): CPU ticks}).
+Sample = tuple[float, float, dict[tuple[int, str], int]]
 
 
 class CpuTimeline:
@@ -275,12 +280,11 @@ class CpuTimeline:
             # cpu user nice system idle iowait irq softirq steal ...
             times = [int(x) for x in stat.readline().split()[1:9]]
         busy_s = (sum(times) - times[3] - times[4]) / CLOCK_TICKS
-        procs: dict[int, tuple[str, int]] = {}
+        procs: dict[tuple[int, str], int] = {}
         for session, role_of in list(self.watched.items()):
             for pid in session_pids(session):
-                fields = _stat_fields(pid)
-                if fields:
-                    procs[pid] = (role_of(pid), int(fields[11]) + int(fields[12]))  # utime+stime
+                for role, ticks in cpu_ticks(pid, role_of(pid)).items():
+                    procs[pid, role] = ticks
         self.samples.append((now, busy_s, procs))
 
     def window(self, start: float, end: float) -> tuple[dict[str, float], float, float]:
@@ -290,8 +294,8 @@ class CpuTimeline:
         first = max((s for s in samples if s[0] <= start), key=lambda s: s[0], default=samples[0])
         last = min((s for s in samples if s[0] >= end), key=lambda s: s[0], default=samples[-1])
         by_role: dict[str, float] = {}
-        for pid, (role, ticks) in last[2].items():
-            used = ticks - first[2].get(pid, (role, 0))[1]
+        for (pid, role), ticks in last[2].items():
+            used = ticks - first[2].get((pid, role), 0)
             by_role[role] = by_role.get(role, 0.0) + used / CLOCK_TICKS
         # NOTE: processes that exit inside the window drop out of `last`: counted as others'.
         others_s = max(0.0, last[1] - first[1] - sum(by_role.values()))

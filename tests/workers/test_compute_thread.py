@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import sys
 import threading
 
 import pytest
@@ -52,6 +53,17 @@ def test_a_call_from_the_thread_itself_runs_at_once() -> None:
     thread = ComputeThread()
     assert thread.run(lambda: thread.run(lambda: thread.is_current())) is True
     assert not thread.is_current()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc: Linux only")
+def test_the_thread_carries_its_name_in_the_os() -> None:
+    """So that /proc, `top -H` and the benchmarks tell the model's CPU apart."""
+
+    def os_name() -> str:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+            return comm.read().strip()
+
+    assert ComputeThread(name="test-compute-os").run(os_name) == "test-compute-os"
 
 
 def test_one_compute_thread_per_process() -> None:
