@@ -21,7 +21,12 @@ from ray.serve.config import RequestRouterConfig
 from pagedray.cluster.engine_router import EngineRequestRouter
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
-from pagedray.engine.admission import RETRY_AFTER_S, EngineOverloadedError, RequestTimeoutError
+from pagedray.engine.admission import (
+    RETRY_AFTER_S,
+    EngineOverloadedError,
+    RequestAbortedError,
+    RequestTimeoutError,
+)
 from pagedray.engine.async_engine import (
     DEFAULT_STUCK_AFTER_S,
     AsyncEngine,
@@ -87,7 +92,7 @@ class EngineDeployment:
             request_timeout_s=self.config.request_timeout_s or None,
         )
         self.replica_id = _replica_id()
-        self.channels = OutputChannels()
+        self.channels = OutputChannels(self.engine.abort)
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[RequestStepOutput]:
         """Stream a request's per-step outputs; the first item says whether it was accepted.
@@ -140,11 +145,11 @@ class EngineDeployment:
     ) -> AsyncIterator[RequestStepOutput]:
         """`generate` for a request whose outputs go to output channel `channel_id`."""
         request_id = request["request_id"]
-        channel = self.channels.open(channel_id)
-        channel.request_ids.add(request_id)
         ended: asyncio.Future[RequestStepOutput | None] = asyncio.get_running_loop().create_future()
+        channel = self.channels.open(channel_id)
 
         def sink(item: RequestStepOutput | BaseException) -> None:
+            # NOTE: called by the engine loop: it must not raise.
             if ended.done():
                 return
             if isinstance(item, BaseException):
@@ -154,16 +159,19 @@ class EngineDeployment:
             if item.finished:
                 ended.set_result(None)
 
-        finished = False
         try:
             self._add_request(request, sink)
+        except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
+            yield error_output(request_id, exc)
+            return
+        channel.request_ids.add(request_id)
+        finished = False
+        try:
             yield RequestStepOutput(request_id, replica_id=self.replica_id)  # accepted
             error = await ended
             finished = error is None
             if error is not None:
                 yield error
-        except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
-            yield error_output(request_id, exc)
         finally:
             if not finished:  # cancelled (the client went away) or failed: nothing more comes
                 self.engine.abort(request_id)
@@ -196,7 +204,12 @@ class EngineDeployment:
             raise RuntimeError(health["error"])
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), "replica_id": self.replica_id}
+        return {
+            **self.engine.stats(),
+            "replica_id": self.replica_id,
+            "num_output_channels": len(self.channels),
+            "num_channel_batches": self.channels.num_batches,
+        }
 
     def __del__(self) -> None:
         executor = getattr(self, "executor", None)
@@ -219,6 +232,8 @@ def error_output(request_id: str, exc: BaseException) -> RequestStepOutput:
         message = f"the engine is unavailable (request {request_id}); retry later"
     elif isinstance(exc, RequestTimeoutError):
         status, error_type = 504, "TimeoutError"
+    elif isinstance(exc, RequestAbortedError):
+        status, error_type, retry_after = 503, "ServiceUnavailableError", RETRY_AFTER_S
     elif isinstance(exc, RequestFailedError):
         status = exc.status
         error_type = "BadRequestError" if status == 400 else "InternalServerError"

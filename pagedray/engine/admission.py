@@ -32,6 +32,11 @@ class RequestTimeoutError(RuntimeError):
     """The request outlived its deadline (`request_timeout_s`); it was aborted, blocks freed."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The request was aborted from outside its own stream (its output channel closed, or an
+    `abort` call); its blocks were freed."""
+
+
 def default_max_num_waiting(max_num_seqs: int, num_kv_blocks: int) -> int:
     """The serving queue's bound when none is configured (see DEFAULT_WAITING_BATCHES)."""
     return max(1, min(DEFAULT_WAITING_BATCHES * max_num_seqs, num_kv_blocks))

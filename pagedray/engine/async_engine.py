@@ -18,6 +18,7 @@ from pagedray.engine.admission import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Admission,
     EngineOverloadedError,
+    RequestAbortedError,
     WaitingRequest,
     default_max_num_waiting,
 )
@@ -163,8 +164,9 @@ class AsyncEngine:
         return request_stream.read(lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks are freed before the next step."""
-        if self._streams.pop(request_id, None) is not None:
+        """Abort a request: blocks freed before the next step, its stream failed (for a sink)."""
+        if (request_stream := self._streams.pop(request_id, None)) is not None:
+            request_stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
             self._abort_accepted(request_id)
 
     def _abort_accepted(self, request_id: str) -> None:
@@ -389,8 +391,7 @@ class AsyncEngine:
     def _num_waiting(self) -> int:
         return int(self._stats["num_waiting"]) + len(self._pending)
 
-    def _raise_if_dead(self) -> None:
-        # A stuck step is reported by health(), but requests still queue behind it.
+    def _raise_if_dead(self) -> None:  # a stuck step shows in health(); requests still queue
         if self._error is not None or (self._task is not None and self._task.done()):
             raise EngineDeadError(self.health()["error"] or "engine loop stopped")
 

@@ -168,8 +168,9 @@ class LLM:
             run.result()
         except BaseException:
             self._interrupted.set()
-            with contextlib.suppress(BaseException):
-                run.result()
+            while not run.done():  # even through a second Ctrl-C: no abort beside a step
+                with contextlib.suppress(KeyboardInterrupt):
+                    futures.wait([run], timeout=INTERRUPT_POLL_S)
             raise
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> None:

@@ -1,24 +1,34 @@
 """Output channels: a step's streamed outputs for many requests sent as one message.
 
 Streamed through a Serve call of its own, every request costs the engine replica and the ingress
-a message each step: serialising it, a gRPC frame, waking the reader. At 64 streams that was
-about 0.2 ms of CPU per token on the engine replica alone (on 2 cores, beside the model). So an
-ingress replica opens one channel per engine replica and subscribes to it once; its streamed
-requests name the channel, and each step's outputs for all of them leave as one batch, as vLLM's
-engine core sends one message per step to its front end.
+a message each step: serialising it, a gRPC frame, waking the reader. So an ingress replica
+subscribes once to each engine replica that holds its streamed requests; those requests name its
+channel, and each step's outputs for all of them leave as one batch, as vLLM's engine core sends
+one message per step to its front end.
 
 A request's own call still anchors it: it answers acceptance or refusal, fails if the request
-fails, and cancelling it aborts the request. The channel only carries the outputs. It holds them
-while no subscriber reads (one has not connected yet, or is reconnecting), and goes away once it
-has neither a subscriber, nor a request, nor an output unread.
+fails, and cancelling it aborts the request. The channel only carries the outputs, and lives as
+long as its subscription: it holds outputs until the subscriber first reads; a subscription that
+ends (the ingress went away, the stream broke) aborts the requests still on it, which then fail
+through their own calls rather than lose outputs silently; one idle for `IDLE_S` ends itself,
+so that it holds no Serve call open for nothing (autoscaling and draining count open calls); a
+channel nobody subscribes to within `UNSUBSCRIBED_TTL_S` is closed the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from pagedray.engine.step_outputs import RequestStepOutput
+
+# The keyword argument that addresses a subscription to one engine replica (its unique id);
+# the engine deployment's request router reads it.
+REPLICA_ID_KWARG = "replica_id"
+# Seconds a subscription with no request on its channel lasts before it ends itself.
+IDLE_S = 5.0
+# Seconds a channel waits for its first subscriber before its requests are aborted.
+UNSUBSCRIBED_TTL_S = 30.0
 
 
 class OutputChannel:
@@ -26,7 +36,8 @@ class OutputChannel:
 
     def __init__(self) -> None:
         self.request_ids: set[str] = set()  # requests whose outputs come here
-        self.subscribed = False
+        self.subscription: int | None = None  # the current subscription's number
+        self.num_subscriptions = 0
         self._batch: list[RequestStepOutput] = []
         self._ready = asyncio.Event()
 
@@ -43,25 +54,47 @@ class OutputChannel:
         if discard_outputs and any(output.request_id == request_id for output in self._batch):
             self._batch = [output for output in self._batch if output.request_id != request_id]
 
-    @property
-    def unused(self) -> bool:
-        return not self.subscribed and not self.request_ids and not self._batch
+    def take_over(self) -> int:
+        """Start a subscription; one still reading stops at its next wake-up (it has gone
+        quiet without its end being seen here)."""
+        self.num_subscriptions += 1
+        self.subscription = self.num_subscriptions
+        self._ready.set()
+        return self.subscription
 
-    async def batches(self) -> AsyncIterator[list[RequestStepOutput]]:
-        """Each wake-up's outputs as one list, in order, while the caller reads."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
+    async def batches(
+        self, subscription: int, idle_s: float
+    ) -> AsyncIterator[list[RequestStepOutput]]:
+        """The outputs as they come, a list per wake-up, while `subscription` is the current one
+        and the channel has had a request within `idle_s`."""
+        while self.subscription == subscription:
+            if not self._batch:
+                self._ready.clear()
+                try:
+                    await asyncio.wait_for(self._ready.wait(), idle_s)
+                except asyncio.TimeoutError:
+                    if not self.request_ids:
+                        return
+                continue
             batch, self._batch = self._batch, []
-            if batch:
-                yield batch
+            yield batch
 
 
 class OutputChannels:
     """This engine's channels, by the id their subscriber chose."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        abort: Callable[[str], None],
+        idle_s: float = IDLE_S,
+        unsubscribed_ttl_s: float = UNSUBSCRIBED_TTL_S,
+    ) -> None:
+        """`abort(request_id)` aborts a request whose channel closed."""
+        self._abort = abort
+        self.idle_s = idle_s
+        self.unsubscribed_ttl_s = unsubscribed_ttl_s
         self._channels: dict[str, OutputChannel] = {}
+        self.num_batches = 0  # sent, over this engine's life
 
     def __len__(self) -> int:
         return len(self._channels)
@@ -71,6 +104,9 @@ class OutputChannels:
         channel = self._channels.get(channel_id)
         if channel is None:
             channel = self._channels[channel_id] = OutputChannel()
+            asyncio.get_running_loop().call_later(
+                self.unsubscribed_ttl_s, self._close_if_unsubscribed, channel_id, channel
+            )
         return channel
 
     def end_request(self, channel_id: str, request_id: str, discard_outputs: bool) -> None:
@@ -78,22 +114,27 @@ class OutputChannels:
         channel = self._channels.get(channel_id)
         if channel is not None:
             channel.end(request_id, discard_outputs)
-            self._forget_if_unused(channel_id, channel)
 
     async def subscribe(self, channel_id: str) -> AsyncIterator[list[RequestStepOutput]]:
-        """The channel's batches until the caller stops reading; one subscriber at a time."""
+        """The channel's batches until the caller stops reading or the channel is idle; then
+        the channel closes, aborting what is still on it (unless another subscription took
+        over)."""
         channel = self.open(channel_id)
-        if channel.subscribed:
-            raise RuntimeError(f"output channel {channel_id!r} already has a subscriber")
-        channel.subscribed = True
+        subscription = channel.take_over()
         try:
-            async for batch in channel.batches():
+            async for batch in channel.batches(subscription, self.idle_s):
+                self.num_batches += 1
                 yield batch
         finally:
-            channel.subscribed = False
-            self._forget_if_unused(channel_id, channel)
+            if channel.subscription == subscription:
+                self._close(channel_id, channel)
 
-    def _forget_if_unused(self, channel_id: str, channel: OutputChannel) -> None:
-        # NOTE: a channel whose subscriber went away with outputs unread is kept for its return.
-        if channel.unused:
-            self._channels.pop(channel_id, None)
+    def _close_if_unsubscribed(self, channel_id: str, channel: OutputChannel) -> None:
+        if channel.subscription is None and self._channels.get(channel_id) is channel:
+            self._close(channel_id, channel)
+
+    def _close(self, channel_id: str, channel: OutputChannel) -> None:
+        if self._channels.get(channel_id) is channel:
+            del self._channels[channel_id]
+        for request_id in list(channel.request_ids):
+            self._abort(request_id)

@@ -82,19 +82,7 @@ class EngineStreams:
     async def merged(self) -> AsyncGenerator[tuple[int, RequestStepOutput], None]:
         """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
         queue = self.queue
-
-        async def pump(index: int, gen: Any) -> None:
-            try:
-                async for item in gen:
-                    await queue.put((index, item))
-            except asyncio.CancelledError:
-                pass  # ended here (a stop string) or by the caller
-            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
-                await queue.put((index, exc))
-            finally:
-                queue.put_nowait((index, None))  # every pump ends with exactly one None
-
-        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(self.generators)]
+        tasks = self._pump_calls()
         done: set[int] = set()  # streams finished here: later items are dropped
         calls_ended: set[int] = set()
         try:
@@ -129,6 +117,30 @@ class EngineStreams:
             for task in tasks:
                 task.cancel()
             self.close()
+
+    def _pump_calls(self) -> list[asyncio.Task[None]]:
+        """A task per engine call feeding the queue its items, then a None when it ends."""
+
+        async def pump(index: int, gen: Any) -> None:
+            try:
+                async for item in gen:
+                    self.queue.put_nowait((index, item))
+            except asyncio.CancelledError:
+                pass  # ended here (a stop string) or by the caller
+            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
+                self.queue.put_nowait((index, exc))
+
+        def ended(index: int, _task: asyncio.Task[None]) -> None:
+            self.queue.put_nowait((index, None))
+
+        tasks = []
+        for index, gen in enumerate(self.generators):
+            task = asyncio.create_task(pump(index, gen))
+            # NOTE: a callback, not the pump's `finally`: a task cancelled before it first ran
+            # (a stop string in outputs the channel queued early) never runs its body.
+            task.add_done_callback(functools.partial(ended, index))
+            tasks.append(task)
+        return tasks
 
     def _with_text(self, index: int, output: RequestStepOutput) -> RequestStepOutput:
         text = self.texts[index]

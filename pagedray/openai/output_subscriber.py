@@ -1,7 +1,8 @@
 """The ingress's end of the engines' output channels (pagedray/engine/output_channel.py).
 
 One subscription per engine replica that holds a streamed request of this ingress replica; each
-step's batch is handed out to the requests waiting here, by request id.
+step's batch is handed out to the requests waiting here, by request id. A subscription lasts
+while that replica holds requests of ours (the engine ends an idle one).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pickle
 import uuid
 from typing import Any, Callable
 
+from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.engine.step_outputs import RequestStepOutput
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
@@ -52,28 +54,32 @@ class OutputSubscriber:
         self._replica_of.pop(request_id, None)
 
     async def _read(self, replica_id: str) -> None:
-        """Hand out `replica_id`'s batches; once the subscription breaks, subscribe again while
-        requests of that replica are open here."""
+        """Hand out `replica_id`'s batches while requests of that replica are open here: its
+        subscription ends itself once idle, and is made again if a request came meanwhile."""
         streaming = self.engine.options(stream=True)
         while True:
+            broke = False
             try:
-                batches = streaming.subscribe.remote(self.channel_id, replica_id=replica_id)
+                address = {REPLICA_ID_KWARG: replica_id}
+                batches = streaming.subscribe.remote(self.channel_id, **address)
                 async for pickled in batches:  # a list[RequestStepOutput] per engine step
-                    for output in pickle.loads(pickled):
-                        deliver = self._deliveries.get(output.request_id)
-                        if deliver is not None:
-                            deliver(output)
+                    self._deliver(pickle.loads(pickled))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
+                # Requests left on that channel were aborted: they fail through their calls.
                 logger.info("output channel of engine replica %s broke: %r", replica_id, exc)
+                broke = True
             if replica_id not in self._replica_of.values():
                 self._subscriptions.pop(replica_id, None)
                 return
-            await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+            if broke:
+                await asyncio.sleep(RESUBSCRIBE_AFTER_S)
 
-    async def close(self) -> None:
-        for task in self._subscriptions.values():
-            task.cancel()
-        await asyncio.gather(*self._subscriptions.values(), return_exceptions=True)
-        self._subscriptions.clear()
+    def _deliver(self, outputs: list[RequestStepOutput]) -> None:
+        for output in outputs:
+            deliver = self._deliveries.get(output.request_id)
+            if deliver is not None:
+                deliver(output)
+                if output.finished:  # nothing more comes for it
+                    self.unregister(output.request_id)
