@@ -15,7 +15,13 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    LocalityMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 
@@ -31,6 +37,12 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         super().update_replicas(replicas)
         self._live_replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
 
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        # NOTE: Serve drops a replica whose call failed with ActorDiedError here, well before
+        # its controller's update: the calls addressed to it must then go elsewhere at once.
+        super().on_replica_actor_died(replica_id)
+        self._live_replica_ids = self._live_replica_ids - {replica_id.unique_id}
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -39,6 +51,8 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         target = addressed_replica(pending_request)
         if target is not None:
             addressed = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if pending_request is not None and not addressed:
+                pending_request.routing_context.should_backoff = True  # never a busy loop
             return [addressed or candidate_replicas[:1]]
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         local = [by_id[i] for i in self.apply_locality_routing(pending_request) if i in by_id]
@@ -55,13 +69,13 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         the same private bookkeeping; pinned Ray version.
         """
         unique_id = replica.replica_id.unique_id
-        for pending in list(self._pending_requests_to_fulfill):
+        for position, pending in enumerate(self._pending_requests_to_fulfill):
             if pending.future.done():
                 continue
             target = addressed_replica(pending)
             if target not in (None, unique_id) and target in self._live_replica_ids:
                 continue  # addressed to another replica, which is there to take it
-            self._pending_requests_to_fulfill.remove(pending)
+            del self._pending_requests_to_fulfill[position]  # by position: no __eq__ scan
             self._cancel_routing_task_for_pending_request(pending)
             self._record_queue_wait_time(pending)
             pending.future.set_result(replica)

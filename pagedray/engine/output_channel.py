@@ -38,6 +38,7 @@ class OutputChannel:
         self.request_ids: set[str] = set()  # requests whose outputs come here
         self.subscription: int | None = None  # the current subscription's number
         self.num_subscriptions = 0
+        self.sent_by: int | None = None  # the subscription that sent the last batch
         self._batch: list[RequestStepOutput] = []
         self._ready = asyncio.Event()
 
@@ -54,13 +55,15 @@ class OutputChannel:
         if discard_outputs and any(output.request_id == request_id for output in self._batch):
             self._batch = [output for output in self._batch if output.request_id != request_id]
 
-    def take_over(self) -> int:
-        """Start a subscription; one still reading stops at its next wake-up (it has gone
-        quiet without its end being seen here)."""
+    def take_over(self) -> tuple[int, bool]:
+        """Start a subscription; one still reading stops at its next wake-up (its end was not
+        seen here). Returns its number, and whether the one before sent batches: those may
+        never have arrived, so the requests on the channel cannot go on without a gap."""
+        lost = self.subscription is not None and self.sent_by == self.subscription
         self.num_subscriptions += 1
         self.subscription = self.num_subscriptions
         self._ready.set()
-        return self.subscription
+        return self.subscription, lost
 
     async def batches(
         self, subscription: int, idle_s: float
@@ -77,6 +80,7 @@ class OutputChannel:
                         return
                 continue
             batch, self._batch = self._batch, []
+            self.sent_by = subscription
             yield batch
 
 
@@ -120,7 +124,10 @@ class OutputChannels:
         the channel closes, aborting what is still on it (unless another subscription took
         over)."""
         channel = self.open(channel_id)
-        subscription = channel.take_over()
+        subscription, lost = channel.take_over()
+        if lost:  # fail those requests (503 through their calls) rather than leave holes
+            for request_id in list(channel.request_ids):
+                self._abort(request_id)
         try:
             async for batch in channel.batches(subscription, self.idle_s):
                 self.num_batches += 1

@@ -8,6 +8,7 @@ while that replica holds requests of ours (the engine ends an idle one).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import pickle
 import uuid
@@ -46,7 +47,10 @@ class OutputSubscriber:
         self._replica_of[request_id] = replica_id
         task = self._subscriptions.get(replica_id)
         if task is None or task.done():
-            task = asyncio.get_running_loop().create_task(self._read(replica_id))
+            # NOTE: in a context of its own, not the HTTP request's that happened to start it:
+            # Serve cancels a request's calls with it, and this one serves every request.
+            reading = self._read(replica_id)
+            task = asyncio.get_running_loop().create_task(reading, context=contextvars.Context())
             self._subscriptions[replica_id] = task
 
     def unregister(self, request_id: str) -> None:
@@ -57,24 +61,30 @@ class OutputSubscriber:
         """Hand out `replica_id`'s batches while requests of that replica are open here: its
         subscription ends itself once idle, and is made again if a request came meanwhile."""
         streaming = self.engine.options(stream=True)
-        while True:
-            broke = False
+        address = {REPLICA_ID_KWARG: replica_id}
+        broke = False
+        while replica_id in self._replica_of.values():
+            if broke:
+                broke = False
+                await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+                continue  # asked again: a request may have ended meanwhile
+            batches = streaming.subscribe.remote(self.channel_id, **address)
             try:
-                address = {REPLICA_ID_KWARG: replica_id}
-                batches = streaming.subscribe.remote(self.channel_id, **address)
                 async for pickled in batches:  # a list[RequestStepOutput] per engine step
                     self._deliver(pickle.loads(pickled))
             except asyncio.CancelledError:
-                raise
+                batches.cancel()
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # cancelled here; otherwise Serve cancelled the call: it broke
+                broke = True
             except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
                 # Requests left on that channel were aborted: they fail through their calls.
+                batches.cancel()
                 logger.info("output channel of engine replica %s broke: %r", replica_id, exc)
                 broke = True
-            if replica_id not in self._replica_of.values():
-                self._subscriptions.pop(replica_id, None)
-                return
-            if broke:
-                await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+        if self._subscriptions.get(replica_id) is asyncio.current_task():
+            del self._subscriptions[replica_id]
 
     def _deliver(self, outputs: list[RequestStepOutput]) -> None:
         for output in outputs:

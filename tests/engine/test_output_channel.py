@@ -93,7 +93,16 @@ def test_a_new_subscription_takes_over_a_stale_one() -> None:
         assert await _next_batch(fresh) == ["a"]
         with pytest.raises(StopAsyncIteration):  # the stale one ended, closing nothing
             await asyncio.wait_for(reading, 5.0)
-        assert aborted == [] and len(channels) == 1
+        assert aborted == [] and len(channels) == 1  # it had sent nothing: nothing lost
+        # Another take-over, after batches went out: they may not have arrived.
+        channel.put(_output("a"))
+        newest = channels.subscribe("c")
+        reading = asyncio.ensure_future(newest.__anext__())
+        await asyncio.sleep(0.01)
+        assert aborted == ["a"]
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        await newest.aclose()
         await fresh.aclose()
 
     asyncio.run(run())
