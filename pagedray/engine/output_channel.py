@@ -52,6 +52,8 @@ class OutputChannel:
         """A request's call ended; outputs it left unread go out still, unless `discard_outputs`
         (it was aborted: nobody waits for them)."""
         self.request_ids.discard(request_id)
+        if not self.request_ids:
+            self._ready.set()  # a reader waiting without a timer starts its idle countdown
         if discard_outputs and any(output.request_id == request_id for output in self._batch):
             self._batch = [output for output in self._batch if output.request_id != request_id]
 
@@ -73,6 +75,9 @@ class OutputChannel:
         while self.subscription == subscription:
             if not self._batch:
                 self._ready.clear()
+                if self.request_ids:  # the streaming case: no timer per step
+                    await self._ready.wait()
+                    continue
                 try:
                     await asyncio.wait_for(self._ready.wait(), idle_s)
                 except asyncio.TimeoutError:

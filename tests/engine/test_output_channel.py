@@ -89,8 +89,10 @@ def test_a_new_subscription_takes_over_a_stale_one() -> None:
         reading = asyncio.ensure_future(stale.__anext__())
         await asyncio.sleep(0.01)
         fresh = channels.subscribe("c")
+        taking_over = asyncio.ensure_future(_next_batch(fresh))
+        await asyncio.sleep(0.01)  # the take-over happens on the new subscriber's first read
         channel.put(_output("a"))
-        assert await _next_batch(fresh) == ["a"]
+        assert await taking_over == ["a"]
         with pytest.raises(StopAsyncIteration):  # the stale one ended, closing nothing
             await asyncio.wait_for(reading, 5.0)
         assert aborted == [] and len(channels) == 1  # it had sent nothing: nothing lost
@@ -115,6 +117,13 @@ def test_an_idle_subscription_ends_itself_and_an_unread_channel_expires() -> Non
         channels.open("idle")
         batches = [batch async for batch in channels.subscribe("idle")]  # no request: ends
         assert batches == [] and len(channels) == 0
+        channels.open("busy").request_ids.add("r")
+        reading = asyncio.ensure_future(channels.subscribe("busy").__anext__())
+        await asyncio.sleep(0.01)  # waiting for outputs, with no idle timer while "r" runs
+        channels.end_request("busy", "r", discard_outputs=False)
+        with pytest.raises(StopAsyncIteration):  # its last request ended: idle, then gone
+            await asyncio.wait_for(reading, 5.0)
+        assert len(channels) == 0
         channels.open("forgotten").request_ids.add("x")  # nobody ever subscribes
         await asyncio.sleep(0.3)
         assert len(channels) == 0
