@@ -34,6 +34,7 @@ from pagedray.cluster.metrics_endpoint import (
     fetch_exports,
     merge_pagedray_families,
 )
+from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import load_tokenizer, make_validator
 from pagedray.engine.prompts import ValidatedPrompt
@@ -150,6 +151,7 @@ class OpenAIIngress:
         api_key_sha256: str | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     ) -> None:
+        install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         self.engine = engine
         self.config = EngineConfig.model_validate(config)
         self.model_name = self.config.served_model_name or Path(self.config.model).name
