@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedray.scheduler.kv_events import KVCacheDelta, KVEventRecorder
 from pagedray.scheduler.prefix_hash import BlockHash
 
 
@@ -82,7 +83,11 @@ class FreeBlockQueue:
 class BlockPool:
     """All physical blocks, who holds them, and which full blocks are hittable by hash."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, record_kv_events: bool = False
+    ) -> None:
+        """`record_kv_events`: keep the index's changes for `take_kv_delta` (a router reads
+        them); off, nothing is kept."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -91,6 +96,7 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         # Invariant: index[h] is b  <=>  b.block_hash == h.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.kv_events = KVEventRecorder(num_blocks) if record_kv_events else None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the free queue head, evicting their cached hashes.
@@ -146,6 +152,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        if self.kv_events is not None:
+            self.kv_events.stored(block_hash)
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -166,7 +174,14 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
+
+    def take_kv_delta(self) -> KVCacheDelta:
+        """The index's changes since the last call (recording must be on)."""
+        assert self.kv_events is not None, "BlockPool(record_kv_events=True) records them"
+        return self.kv_events.take(self.cached_block_hash_to_block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         """Drop a block's hash before it is overwritten with other tokens."""
@@ -174,4 +189,6 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block.block_hash)
         block.block_hash = None

@@ -31,12 +31,18 @@ class Allocation:
 class KVCacheManager:
     """Block tables of all live sequences, with automatic prefix caching and copy-on-write."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        record_kv_events: bool = False,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, record_kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # the block tables
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}  # hashes of full blocks
         # Leading table blocks already offered to the index, so each step only looks at new ones.

@@ -34,7 +34,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         enable_caching=st.booleans(),
     )
     def setup(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
-        self.manager = KVCacheManager(num_blocks, block_size, enable_caching)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_caching, record_kv_events=True)
+        # A router's copy of the hittable hashes, kept only from the pool's KV deltas.
+        self.router_view: set[bytes] = set()
         self.block_size = block_size
         self.waiting: dict[str, Request] = {}  # no table: new or preempted
         self.running: dict[str, Request] = {}  # holds a table
@@ -125,6 +127,17 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
     # --- invariants --------------------------------------------------------------------------
 
+    @precondition(lambda self: not self.running)
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        assert self.manager.reset_prefix_cache()
+
+    @invariant()
+    def router_view_matches_index(self) -> None:
+        """Read after every step (test_kv_events.py folds longer windows)."""
+        self.manager.block_pool.take_kv_delta().apply(self.router_view)
+        assert self.router_view == set(self.manager.block_pool.cached_block_hash_to_block)
+
     @invariant()
     def refcounts_and_free_queue_consistent(self) -> None:
         self.manager.check_invariants()
@@ -168,6 +181,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert self.manager.usage == 0.0
         assert self.manager.reset_prefix_cache()
         assert self.manager.block_pool.num_cached_blocks == 0
+        self.router_view_matches_index()
+        assert not self.router_view
 
     # --- helpers -----------------------------------------------------------------------------
 
