@@ -86,8 +86,13 @@ class BlockPool:
     def __init__(
         self, num_blocks: int, enable_caching: bool, record_kv_events: bool = False
     ) -> None:
-        """`record_kv_events`: keep the index's changes for `take_kv_delta` (a router reads
-        them); off, nothing is kept."""
+        """
+        Args:
+            num_blocks: Physical blocks in the pool.
+            enable_caching: Index full blocks by hash (automatic prefix caching).
+            record_kv_events: Keep the index's changes for `take_kv_delta`, which a
+                cache-aware router reads; off, nothing is kept.
+        """
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -180,7 +185,8 @@ class BlockPool:
 
     def take_kv_delta(self) -> KVCacheDelta:
         """The index's changes since the last call (recording must be on)."""
-        assert self.kv_events is not None, "BlockPool(record_kv_events=True) records them"
+        if self.kv_events is None:
+            raise RuntimeError("KV deltas are recorded only by BlockPool(record_kv_events=True)")
         return self.kv_events.take(self.cached_block_hash_to_block)
 
     def _evict(self, block: KVCacheBlock) -> None:

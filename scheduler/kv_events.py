@@ -2,8 +2,9 @@
 
 A cache-aware router (issue P8) replays these deltas to know exactly which block hashes an
 engine holds: vLLM's KV events (BlockStored, BlockRemoved, AllBlocksCleared), folded so that a
-read costs what changed since the last one, not the whole index. A recorder left unread too
-long hands out a snapshot instead, so it never holds more than a few pools' worth of hashes.
+read costs what changed since the last one, not the whole index. A recorder whose removals
+outgrow the pool hands out a snapshot instead (never larger than the pool), so it never holds
+more than about two pools' worth of hashes, however long it goes unread.
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedray.scheduler.prefix_hash import BlockHash
-
-# Removals a recorder keeps, per block of the pool, before it falls back to a snapshot.
-MAX_REMOVED_PER_BLOCK = 4
 
 
 @dataclass(frozen=True)
@@ -40,14 +38,16 @@ class KVEventRecorder:
     """Folds the prefix-cache index's changes into one net `KVCacheDelta` between reads."""
 
     def __init__(self, num_blocks: int) -> None:
-        self._stored: dict[BlockHash, None] = {}  # insertion-ordered set
-        self._removed: set[BlockHash] = set()
+        # Insertion-ordered sets: a delta's lists come out in a reproducible order.
+        self._stored: dict[BlockHash, None] = {}  # a subset of the index: at most num_blocks
+        self._removed: dict[BlockHash, None] = {}
         self._cleared = False
-        self._max_removed = MAX_REMOVED_PER_BLOCK * num_blocks
+        # Past this many removals a snapshot (at most num_blocks hashes) is the smaller message.
+        self._max_removed = num_blocks
         self._overflowed = False
 
     def stored(self, block_hash: BlockHash) -> None:
-        self._removed.discard(block_hash)
+        self._removed.pop(block_hash, None)
         self._stored[block_hash] = None
 
     def removed(self, block_hash: BlockHash) -> None:
@@ -55,7 +55,7 @@ class KVEventRecorder:
         self._stored.pop(block_hash, None)
         if self._overflowed:
             return
-        self._removed.add(block_hash)
+        self._removed[block_hash] = None
         if len(self._removed) > self._max_removed:
             self._overflowed = True  # the next read is a snapshot; stop growing
             self._removed.clear()
@@ -72,6 +72,6 @@ class KVEventRecorder:
             delta = KVCacheDelta(stored=list(index), cleared=True)
         else:
             delta = KVCacheDelta(list(self._stored), list(self._removed), self._cleared)
-        self._stored, self._removed = {}, set()
+        self._stored, self._removed = {}, {}
         self._cleared = self._overflowed = False
         return delta

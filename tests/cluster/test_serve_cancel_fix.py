@@ -4,6 +4,7 @@ as it is cancelled (a gRPC call running its done callback at once): `serve_cance
 from __future__ import annotations
 
 import asyncio
+import collections
 from types import SimpleNamespace
 
 import pytest
@@ -35,13 +36,16 @@ def _cancel_children() -> None:
 
 
 def test_every_child_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        serve_replica, "_get_in_flight_requests", serve_replica._get_in_flight_requests
-    )
-    monkeypatch.setattr(
-        serve_context, "_in_flight_requests", type(serve_context._in_flight_requests)(dict)
-    )
-    children = [ChildCall("a"), ChildCall("b")]
+    # Serve's own lookups, whatever this process installed before; restored afterwards.
+    for module, name in (
+        (serve_replica, "_get_in_flight_requests"),
+        (serve_context, "_get_requests_pending_assignment"),
+    ):
+        lookup = getattr(module, name)
+        monkeypatch.setattr(module, name, getattr(lookup, "__wrapped__", lookup))
+    monkeypatch.setattr(serve_context, "_in_flight_requests", collections.defaultdict(dict))
+    for name in "ab":
+        ChildCall(name)
     # NOTE: the upstream bug itself; once the pinned Ray fixes it, this fix can go.
     with pytest.raises(RuntimeError, match="changed size during iteration"):
         _cancel_children()

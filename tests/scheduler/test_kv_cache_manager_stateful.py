@@ -60,6 +60,11 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         engine_request = EngineRequest(req_id, token_ids, SamplingParams(), cache_salt=cache_salt)
         self.waiting[req_id] = Request(engine_request, eos_token_id=None)
 
+    @precondition(lambda self: not self.running)
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        assert self.manager.reset_prefix_cache()
+
     @precondition(lambda self: self.waiting)
     @rule(pick=st.integers(min_value=0), chunk=st.integers(min_value=1, max_value=12))
     def admit(self, pick: int, chunk: int) -> None:
@@ -126,11 +131,6 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.pending.pop(req.req_id, None)
 
     # --- invariants --------------------------------------------------------------------------
-
-    @precondition(lambda self: not self.running)
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        assert self.manager.reset_prefix_cache()
 
     @invariant()
     def router_view_matches_index(self) -> None:
