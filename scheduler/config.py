@@ -17,6 +17,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_num_waiting: int | None = None  # admission bound; None = unbounded
+    # Keep the prefix cache's changes as KV deltas, for a cache-aware router (kv_events.py).
+    record_kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

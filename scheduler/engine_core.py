@@ -7,9 +7,10 @@ in-process model runner, or Ray worker actors behind one of the cluster's dispat
 from __future__ import annotations
 
 import time
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.request import EngineRequest, Request, RequestStatus
@@ -39,6 +40,9 @@ class EngineCore:
         self.last_step_time = 0.0  # seconds, time.monotonic() at the end of the last step
         self.last_step_duration = 0.0  # seconds
         self.last_batch_size = 0  # sequences in the last step
+        # With `record_kv_events`: given each step's prefix-cache changes, on the stepping thread,
+        # when there are any (a reset between steps comes with the next step's).
+        self.kv_delta_listener: Callable[[KVCacheDelta], None] | None = None
 
     def add_request(self, engine_request: EngineRequest) -> None:
         self.scheduler.add_request(Request(engine_request, eos_token_id=None))
@@ -67,6 +71,10 @@ class EngineCore:
         self.last_step_time = time.monotonic()
         self.last_step_duration = self.last_step_time - start
         self.last_batch_size = len(scheduler_output.num_scheduled_tokens)
+        if self.kv_delta_listener is not None:
+            delta = self.scheduler.kv_cache_manager.block_pool.take_kv_delta()
+            if delta:
+                self.kv_delta_listener(delta)
         return outputs
 
     def stats(self) -> dict[str, float]:

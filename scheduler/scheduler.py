@@ -35,7 +35,10 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            num_kv_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            record_kv_events=config.record_kv_events,
         )
         # NOTE: a sequence longer than the whole pool could never be scheduled again after a
         # preemption, so the usable model length is capped by the pool.

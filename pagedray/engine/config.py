@@ -29,6 +29,8 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     block_size: int = Field(16, ge=1, le=256)
     enable_prefix_caching: bool = True
+    # The prefix cache's changes as deltas, for a cache-aware router (vLLM's KV cache events).
+    enable_kv_cache_events: bool = False
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1)  # None = the model's maximum
@@ -77,6 +79,7 @@ class EngineConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             policy=self.scheduling_policy,
+            record_kv_events=self.enable_kv_cache_events,
             max_num_waiting=self.max_num_waiting,
         )
 

@@ -1,0 +1,81 @@
+"""An engine's prefix-cache index as its routers see it: a snapshot, then each step's changes.
+
+The engine core hands each step's `KVCacheDelta` over on the stepping thread; this keeps a mirror
+of the hittable hashes on the event loop, so a new subscriber's snapshot and the deltas after it
+line up exactly, without reading the live index while a step changes it. Hashes are cut to
+`ROUTING_HASH_BYTES`: a router only ranks replicas, and a collision costs one prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+from pagedray.scheduler.kv_events import KVCacheDelta
+
+ROUTING_HASH_BYTES = 8
+# Deltas a subscriber may fall behind by before it is sent one snapshot in their place.
+MAX_QUEUED_DELTAS = 64
+# Seconds without a change after which a subscription ends, so that it holds no Serve call open
+# (a replica being drained or replaced waits for its calls); the router's view stays right, as
+# nothing changed, and it subscribes again when traffic comes back.
+IDLE_END_S = 5.0
+
+
+def routing_hash(block_hash: bytes) -> bytes:
+    return block_hash[:ROUTING_HASH_BYTES]
+
+
+class KVIndexPublisher:
+    """The mirror of one engine's hittable block hashes, and the queues of its subscribers."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()  # routing hashes, as of the last delta published
+        self._subscribers: set[asyncio.Queue[KVCacheDelta]] = set()
+
+    def listener(self, loop: asyncio.AbstractEventLoop) -> Callable[[KVCacheDelta], None]:
+        """The engine core's `kv_delta_listener`: hands each delta to `loop`, in step order."""
+
+        def hand_over(delta: KVCacheDelta) -> None:
+            loop.call_soon_threadsafe(self.publish, delta)
+
+        return hand_over
+
+    def publish(self, delta: KVCacheDelta) -> None:
+        """Apply `delta` to the mirror and pass it on to every subscriber (on the loop)."""
+        cut = KVCacheDelta(
+            [routing_hash(h) for h in delta.stored],
+            [routing_hash(h) for h in delta.removed],
+            delta.cleared,
+        )
+        cut.apply(self.hashes)
+        for queue in self._subscribers:
+            if queue.qsize() >= MAX_QUEUED_DELTAS:  # a slow reader: one snapshot replaces all
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(self.snapshot())
+            else:
+                queue.put_nowait(cut)
+
+    def snapshot(self) -> KVCacheDelta:
+        return KVCacheDelta(stored=list(self.hashes), cleared=True)
+
+    async def subscribe(self, idle_end_s: float = IDLE_END_S) -> AsyncIterator[KVCacheDelta]:
+        """A snapshot (`cleared`, every hash stored), then every delta, until closed or idle
+        for `idle_end_s`."""
+        queue: asyncio.Queue[KVCacheDelta] = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            yield self.snapshot()
+            while True:
+                try:
+                    delta = await asyncio.wait_for(queue.get(), idle_end_s)
+                except asyncio.TimeoutError:
+                    return
+                yield delta
+        finally:
+            self._subscribers.discard(queue)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)

@@ -1,0 +1,97 @@
+"""Routers' copies of an engine's prefix-cache index, kept from a snapshot and each step's KV
+deltas (pagedray/engine/kv_index_publisher.py), equal the engine's own index: for a subscriber
+from the start, one that joins midway, and one that fell behind and got a snapshot instead."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+import pytest
+
+from pagedray.engine import kv_index_publisher
+from pagedray.engine.async_engine import AsyncEngine
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.engine_factory import build_engine
+from pagedray.engine.kv_index_publisher import KVIndexPublisher, routing_hash
+from pagedray.engine.output_processor import OutputProcessor
+from pagedray.scheduler.kv_events import KVCacheDelta
+from pagedray.scheduler.sampling_params import SamplingParams
+
+NUM_KV_BLOCKS = 16  # of 16 tokens: the prompts below evict each other's blocks
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+class Follower:
+    """A router's view of the index, kept from one subscription."""
+
+    def __init__(self, deltas: AsyncIterator[KVCacheDelta]) -> None:
+        self.deltas = deltas
+        self.view: set[bytes] = set()
+        self.ever_stored: set[bytes] = set()
+        self.num_snapshots = 0
+
+    async def follow(self) -> None:
+        async for delta in self.deltas:
+            self.take(delta)
+
+    def take(self, delta: KVCacheDelta) -> None:
+        delta.apply(self.view)
+        self.ever_stored.update(delta.stored)
+        self.num_snapshots += delta.cleared
+
+
+def test_subscribers_views_equal_the_engine_index(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_index_publisher, "MAX_QUEUED_DELTAS", 3)  # so the unread one lags
+
+    async def run() -> None:
+        config = EngineConfig(
+            model=tiny_llama,
+            num_kv_blocks=NUM_KV_BLOCKS,
+            num_threads=1,
+            enable_kv_cache_events=True,
+        )
+        core, _executor, tokenizer, _validator = build_engine(config)
+        engine = AsyncEngine(core, OutputProcessor(tokenizer))
+        publisher = KVIndexPublisher()
+        core.kv_delta_listener = publisher.listener(asyncio.get_running_loop())
+        index: Any = core.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+
+        early = Follower(publisher.subscribe(idle_end_s=60))
+        behind = Follower(publisher.subscribe(idle_end_s=60))
+        behind.take(await anext(behind.deltas))  # subscribed, then left unread a while
+        tasks = [asyncio.create_task(early.follow())]
+
+        async def generate(request_id: str, prompt: list[int]) -> None:
+            async for _ in engine.add_request(request_id, prompt, PARAMS):
+                pass
+
+        prompts = [[(7 * i + j) % 50 + 1 for j in range(40 + 8 * i)] for i in range(12)]
+        await asyncio.gather(*(generate(f"a{i}", p) for i, p in enumerate(prompts[:6])))
+        late = Follower(publisher.subscribe(idle_end_s=60))
+        tasks.append(asyncio.create_task(late.follow()))
+        for i, prompt in enumerate(prompts[6:]):
+            await generate(f"b{i}", prompt)
+        await generate("c", prompts[0])  # a prefix hit, after evictions
+        tasks.append(asyncio.create_task(behind.follow()))
+        for _ in range(5):
+            await asyncio.sleep(0.05)  # the last hand-overs from the compute thread
+
+        expected = {routing_hash(block_hash) for block_hash in index}
+        assert expected and early.view == expected
+        assert late.view == expected and behind.view == expected
+        assert len(early.ever_stored) > NUM_KV_BLOCKS  # blocks were evicted on the way
+        assert early.num_snapshots == late.num_snapshots == 1
+        assert behind.num_snapshots == 2  # it fell behind: a snapshot replaced its backlog
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        idle = Follower(publisher.subscribe(idle_end_s=0.1))
+        await asyncio.wait_for(idle.follow(), 10)  # nothing changes: it ends by itself
+        assert idle.view == expected and idle.num_snapshots == 1
+        await engine.shutdown()
+        assert publisher.num_subscribers == 0
+
+    asyncio.run(run())
