@@ -1,5 +1,10 @@
-"""The engine deployment's request router: power-of-two choices, plus calls addressed to one
-replica (an ingress subscribing to that replica's output channel) delivered there.
+"""The engine deployment's request router: by cached prefix, else power-of-two choices, plus calls
+addressed to one replica (an ingress following that replica's outputs or KV index) delivered there.
+
+Cache-aware: a request that carries its routing hashes (the ingress adds them when the engines
+publish their prefix caches, cluster/kv_views.py) goes to the replica holding most of its
+leading blocks, unless that replica's load exceeds the lightest's by `load_threshold` ongoing
+requests (SGLang's router balances the same way); with no match it is power-of-two.
 
 A Serve handle has no way to call one chosen replica; a request router sees each call's
 arguments and can. Serve builds it from the deployment's `request_router_config` in every
@@ -23,7 +28,11 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from pagedray.cluster.kv_views import KV_VIEWS, ROUTING_HASHES_KEY
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
+
+# Ongoing requests by which the best-matching replica may exceed the lightest and still be chosen.
+DEFAULT_LOAD_THRESHOLD = 32
 
 
 class EngineRequestRouter(LocalityMixin, RequestRouter):
@@ -32,16 +41,24 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     so that it fails at once instead of waiting)."""
 
     _live_replica_ids: frozenset[str] = frozenset()
+    load_threshold: int = DEFAULT_LOAD_THRESHOLD
+
+    def initialize_state(self, load_threshold: int = DEFAULT_LOAD_THRESHOLD, **kwargs: Any) -> None:
+        """`request_router_kwargs` of the deployment's `request_router_config`."""
+        super().initialize_state(**kwargs)
+        self.load_threshold = load_threshold
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._live_replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+        KV_VIEWS.live_replica_ids = self._live_replica_ids
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         # NOTE: Serve drops a replica whose call failed with ActorDiedError here, well before
         # its controller's update: the calls addressed to it must then go elsewhere at once.
         super().on_replica_actor_died(replica_id)
         self._live_replica_ids = self._live_replica_ids - {replica_id.unique_id}
+        KV_VIEWS.live_replica_ids = self._live_replica_ids
 
     async def choose_replicas(
         self,
@@ -57,8 +74,29 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         local = [by_id[i] for i in self.apply_locality_routing(pending_request) if i in by_id]
         pool = local or candidate_replicas
+        hashes = _routing_hashes(pending_request)
+        if hashes and len(candidate_replicas) > 1:
+            ranked = self._by_cached_prefix(candidate_replicas, hashes)
+            if ranked:
+                return ranked
         # The base class probes the queue length of both and sends to the shorter.
         return [random.sample(pool, k=min(2, len(pool)))] if pool else []
+
+    def _by_cached_prefix(
+        self, replicas: list[RunningReplica], hashes: list[bytes]
+    ) -> list[list[RunningReplica]]:
+        """The replicas holding the longest cached prefix first (then the rest, should those be
+        full); none when nothing matches or the best match is too loaded."""
+        matched = [KV_VIEWS.matched_blocks(r.replica_id.unique_id, hashes) for r in replicas]
+        best = max(matched)
+        if best == 0:
+            return []
+        load = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in replicas]
+        best_load = min(n for n, m in zip(load, matched) if m == best)
+        if best_load - min(load) > self.load_threshold:
+            return []
+        first = [r for r, m in zip(replicas, matched) if m == best]
+        return [first, [r for r, m in zip(replicas, matched) if m < best]]
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -81,6 +119,13 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             pending.future.set_result(replica)
             self._remove_pending_request_from_indices(pending)
             return
+
+
+def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes]:
+    if pending_request is None or not pending_request.args:
+        return []
+    request = pending_request.args[0]
+    return request.get(ROUTING_HASHES_KEY) or [] if isinstance(request, dict) else []
 
 
 def addressed_replica(pending_request: PendingRequest | None) -> str | None:

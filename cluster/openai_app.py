@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedray.cluster.client_disconnect import ClientDisconnect
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
+from pagedray.cluster.kv_views import KV_VIEWS, ROUTING_HASHES_KEY
 from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import (
     CONTENT_TYPE,
@@ -159,6 +160,8 @@ class OpenAIIngress:
         self.control = EngineControl(engine, config_max_model_len(self.config))
         # Streamed outputs come through the engines' output channels, a message per step.
         self.subscriber = OutputSubscriber(engine)
+        if self.config.enable_kv_cache_events:  # cache-aware routing: follow the engines' caches
+            KV_VIEWS.attach(engine, self.config.block_size)
         self.validator = make_validator(self.config, self.tokenizer, self.control.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.guard = GuardSettings(api_key_sha256, max_request_body_bytes)
@@ -373,6 +376,11 @@ class OpenAIIngress:
             }
             for i, prompt in enumerate(prompts)
         ]
+        if KV_VIEWS.attached:
+            KV_VIEWS.follow_live_replicas()
+            for request, prompt in zip(requests, prompts):
+                hashes = KV_VIEWS.routing_hashes(prompt.token_ids, prompt.cache_salt)
+                request[ROUTING_HASHES_KEY] = hashes
         streams = EngineStreams(self.engine, requests, self.tokenizer, self.subscriber)
         error = await streams.open()
         return engine_error_response(error) if error is not None else streams

@@ -31,7 +31,9 @@ APP_ARGS = (
     "stuck_after_s",
     "health_check_period_s",
     "ingress_num_cpus",
+    "routing",
 )
+ROUTINGS = ("cache-aware", "power-of-two")
 
 
 def build_openai_app(
@@ -46,13 +48,22 @@ def build_openai_app(
     num_ingress_replicas: int = 1,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     api_key_sha256: str | None = None,
+    routing: str | None = None,
 ) -> Application:
     """The ingress bound to `num_replicas` engines (or an autoscaled range of them).
 
     `engine_builder` replaces `build_engine` in every engine replica (tests inject faults).
     The ingress waits on I/O and tokenizes, so like Serve's proxy it reserves no CPU by default.
     Only the API key's SHA-256 (`api_key_sha256`, or computed from `api_key`) is passed on.
+    `routing` (default cache-aware when there may be several engines, else power-of-two):
+    cache-aware has the engines publish their prefix caches and the ingress follow them.
     """
+    max_engines = (autoscaling_config or {}).get("max_replicas", num_replicas)
+    routing = routing or ("cache-aware" if max_engines > 1 else "power-of-two")
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    if routing == "cache-aware":
+        config = config.model_copy(update={"enable_kv_cache_events": True})
     guard = GuardSettings(
         api_key_sha256_of({"api_key": api_key, "api_key_sha256": api_key_sha256}),
         max_request_body_bytes,
@@ -108,6 +119,7 @@ def build_app(args: dict[str, Any]) -> Application:
         max_request_body_bytes=int(
             app_args.get("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
         ),
+        routing=app_args.get("routing"),
     )
 
 

@@ -53,6 +53,12 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this")
     parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this")
     parser.add_argument(
+        "--routing",
+        choices=["cache-aware", "power-of-two"],
+        default=None,
+        help="how requests pick an engine: by its cached prefix (default with several) or load",
+    )
+    parser.add_argument(
         "--max-num-waiting",
         type=int,
         default=None,
@@ -144,6 +150,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         "num_ingress_replicas": args.num_ingress_replicas,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
+        "routing": args.routing,
         "max_request_body_bytes": args.max_request_body_bytes,
         **_api_key_args(args),
     }

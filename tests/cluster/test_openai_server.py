@@ -9,6 +9,7 @@ engine whose step raises) and "tp2" (tensor_parallel_size=2).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import pickle
 import time
@@ -40,7 +41,7 @@ EXPORT_TIMEOUT_S = 30.0
 def main_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     from pagedray.cluster.openai_app import build_app
 
-    args = {**ENGINE_ARGS, "model": tiny_llama, "num_replicas": 2}
+    args = {**ENGINE_ARGS, "model": tiny_llama, "num_replicas": 2}  # routed cache-aware
     yield from deploy_app(serve_url, "main", build_app(args))
 
 
@@ -552,6 +553,68 @@ def test_a_channel_is_read_on_the_replica_that_holds_the_request(
     with pytest.raises(Exception, match="engine replica no-such-replica is gone"):
         next(engine.subscribe.remote("channel-test", replica_id="no-such-replica"))
     assert time.perf_counter() - start < 10
+
+
+def test_kv_subscriptions_follow_each_replicas_prefix_cache(
+    main_url: str, client: openai.OpenAI
+) -> None:
+    """A router's view of each engine replica (pagedray/engine/kv_index_publisher.py), kept
+    from its KV subscription, comes to hold a served prompt's full blocks."""
+    from ray import serve
+
+    from pagedray.engine.kv_index_publisher import routing_hash
+    from pagedray.scheduler.kv_events import KVCacheDelta
+    from pagedray.scheduler.prefix_hash import compute_block_hashes
+
+    engine = serve.get_deployment_handle("PagedRayEngine", "main").options(stream=True)
+    replica_ids = [r["replica_id"] for r in _stats(main_url)]
+    views: dict[str, set[bytes]] = {replica_id: set() for replica_id in replica_ids}
+    streams = [engine.subscribe_kv.remote(replica_id=replica_id) for replica_id in replica_ids]
+
+    def follow(stream: Any, view: set[bytes]) -> None:
+        with contextlib.suppress(Exception):  # ends when cancelled below
+            for pickled in stream:
+                delta: KVCacheDelta = pickle.loads(pickled)
+                delta.apply(view)
+
+    prompt = [(5 * i) % 90 + 7 for i in range(40)]  # two full blocks of 16 tokens
+    expected = {routing_hash(h) for h in compute_block_hashes(prompt, 16, None, [])}
+    with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        for stream, view in zip(streams, views.values()):
+            pool.submit(follow, stream, view)
+        deadline = time.monotonic() + 30
+        while sum(r["num_kv_subscribers"] for r in _stats(main_url)) < len(streams):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert completion.usage is not None and completion.usage.completion_tokens == 2
+        while not any(expected <= view for view in views.values()):
+            assert time.monotonic() < deadline, (expected, views)
+            time.sleep(0.1)
+        for stream in streams:
+            stream.cancel()
+    assert len(expected) == 2
+    deadline = time.monotonic() + 30
+    while any(r["num_kv_subscribers"] for r in _stats(main_url)):  # cancelled: unsubscribed
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(
+    main_url: str, client: openai.OpenAI
+) -> None:
+    """Cache-aware routing (cluster/engine_router.py): after one request, the others with its
+    prefix all land on the replica that cached it (power-of-two would spread six over both)."""
+    prefix = [(11 * i) % 80 + 9 for i in range(64)]  # four full blocks
+    before = {r["replica_id"]: r["prefix_cache_hits"] for r in _stats(main_url)}
+    client.completions.create(model=MODEL, prompt=[*prefix, 1], max_tokens=1)
+    time.sleep(1.0)  # the ingress follows the engines' KV deltas as they step
+    for suffix in range(2, 8):
+        client.completions.create(model=MODEL, prompt=[*prefix, suffix, 3], max_tokens=1)
+    hits = {
+        r["replica_id"]: r["prefix_cache_hits"] - before[r["replica_id"]] for r in _stats(main_url)
+    }
+    assert sorted(hits.values()) == [0, 6 * len(prefix)], hits
 
 
 # ---- the limited app: API key, waiting-queue bound, stream interval ------------------------

@@ -73,6 +73,23 @@ def test_body_limit_flag(tiny_llama: str) -> None:
         build_app({"model": tiny_llama, "max_request_body_bytes": 0})
 
 
+def test_routing_is_cache_aware_with_several_engines(tiny_llama: str) -> None:
+    """Cache-aware routing has the engines publish their prefix caches (and the ingress,
+    given the same config, follow them); the flag overrides the default either way."""
+
+    def kv_events(flags: list[str]) -> bool:
+        config = build_app(serve_app_args(_parse([tiny_llama, *flags])))._bound_deployment
+        return config.init_args[1]["enable_kv_cache_events"]
+
+    assert not kv_events([])
+    assert kv_events(["--num-replicas", "2"])
+    assert kv_events(["--min-replicas", "1", "--max-replicas", "3"])
+    assert not kv_events(["--num-replicas", "2", "--routing", "power-of-two"])
+    assert kv_events(["--routing", "cache-aware"])
+    with pytest.raises(ValueError, match="^routing: must be one of"):
+        build_app({"model": tiny_llama, "routing": "random"})
+
+
 def test_metrics_host_follows_the_api_host() -> None:
     assert _parse([]).metrics_host is None  # run_serve then uses --host
     for host in ("127.0.0.1", "localhost", "::1"):

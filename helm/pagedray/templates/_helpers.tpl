@@ -85,6 +85,9 @@ app.kubernetes.io/part-of: pagedray
 {{- if not (kindIs "invalid" $e.kvCacheMemoryGb) -}}
 {{- $_ := set $args "kv_cache_memory_gb" $e.kvCacheMemoryGb -}}
 {{- end -}}
+{{- if not (kindIs "invalid" $e.routing) -}}
+{{- $_ := set $args "routing" $e.routing -}}
+{{- end -}}
 {{- if not (kindIs "invalid" $e.maxModelLen) -}}
 {{- $_ := set $args "max_model_len" (int $e.maxModelLen) -}}
 {{- end -}}

@@ -1,0 +1,105 @@
+"""This process's copies of every engine replica's prefix-cache index, for cache-aware routing.
+
+Each engine replica publishes a snapshot of its hittable block hashes and then each step's
+changes (`subscribe_kv`, pagedray/engine/kv_index_publisher.py); an ingress replica follows every
+live replica's stream, and `EngineRequestRouter` (which Serve builds in this process, out of the
+ingress's reach, hence one `KV_VIEWS` per process) ranks replicas by how many of a request's
+leading blocks they hold. A view may lag by a step or miss a dead stream's changes until its
+resubscription's snapshot: a wrong guess costs one prefill, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import pickle
+from typing import Any
+
+from pagedray.engine.kv_index_publisher import routing_hash
+from pagedray.engine.output_channel import REPLICA_ID_KWARG
+from pagedray.scheduler.prefix_hash import compute_block_hashes
+
+logger = logging.getLogger("ray.serve.pagedray.ingress")
+# Seconds between attempts to follow a live replica again after its stream broke.
+RESUBSCRIBE_AFTER_S = 1.0
+# The request field that carries its routing hashes from the ingress to the router.
+ROUTING_HASHES_KEY = "routing_hashes"
+
+
+class KVViews:
+    """Per engine replica, the routing hashes it holds; kept while its replica is live."""
+
+    def __init__(self) -> None:
+        self.by_replica: dict[str, set[bytes]] = {}
+        self.live_replica_ids: frozenset[str] = frozenset()  # the router's, as it last saw
+        self._engine: Any = None
+        self._block_size = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def attach(self, engine: Any, block_size: int) -> None:
+        """Follow the replicas of `engine` (a handle routed by `EngineRequestRouter`)."""
+        self._engine, self._block_size = engine, block_size
+
+    @property
+    def attached(self) -> bool:
+        return self._engine is not None
+
+    def routing_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The request's full blocks, hashed as the engines hash them, cut as they publish."""
+        hashes = compute_block_hashes(token_ids, self._block_size, cache_salt, [])
+        return [routing_hash(block_hash) for block_hash in hashes]
+
+    def follow_live_replicas(self) -> None:
+        """Start following new replicas and forget gone ones (on the ingress's event loop)."""
+        if self._engine is None:
+            return
+        live = self.live_replica_ids
+        for replica_id in list(self._tasks):
+            if replica_id not in live:
+                self._tasks.pop(replica_id).cancel()
+                self.by_replica.pop(replica_id, None)
+        loop = asyncio.get_running_loop()
+        for replica_id in live:
+            task = self._tasks.get(replica_id)
+            if task is None or task.done():
+                # NOTE: a context of its own: Serve would cancel it with the HTTP request.
+                following = self._follow(replica_id)
+                self._tasks[replica_id] = loop.create_task(following, context=contextvars.Context())
+
+    def matched_blocks(self, replica_id: str, hashes: list[bytes]) -> int:
+        """How many of `hashes`' leading blocks `replica_id` holds."""
+        held = self.by_replica.get(replica_id)
+        if not held:
+            return 0
+        matched = 0
+        for block_hash in hashes:
+            if block_hash not in held:
+                break
+            matched += 1
+        return matched
+
+    async def _follow(self, replica_id: str) -> None:
+        """Keep `replica_id`'s view until its stream ends: idle (the engine ends it; the view
+        stays right, nothing changed, and the next request follows again) or broken (the view
+        is dropped, and followed again after a pause while the replica is live)."""
+        streaming = self._engine.options(stream=True)
+        while replica_id in self.live_replica_ids:
+            view: set[bytes] = set()
+            stream = streaming.subscribe_kv.remote(**{REPLICA_ID_KWARG: replica_id})
+            try:
+                async for pickled in stream:
+                    pickle.loads(pickled).apply(view)
+                    self.by_replica[replica_id] = view  # from its snapshot on
+                return
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - the replica died or restarted
+                stream.cancel()
+                logger.info("KV view of engine replica %s broke: %r", replica_id, exc)
+            self.by_replica.pop(replica_id, None)
+            await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+
+
+KV_VIEWS = KVViews()

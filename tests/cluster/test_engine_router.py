@@ -1,0 +1,63 @@
+"""Cache-aware ranking of engine replicas (cluster/engine_router.py over cluster/kv_views.py):
+the longest cached leading prefix first, unless that replica is too loaded. The router itself,
+with Serve, is exercised in test_openai_server.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pagedray.cluster import engine_router
+from pagedray.cluster.engine_router import EngineRequestRouter
+from pagedray.cluster.kv_views import KVViews
+
+H = [bytes([i]) * 8 for i in range(4)]
+
+
+def _replica(unique_id: str) -> Any:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id))
+
+
+class QueueLengths(dict):
+    """Stands in for Serve's queue-length cache: ongoing requests per replica id."""
+
+    def get(self, replica_id: Any) -> int | None:  # type: ignore[override]
+        return super().get(replica_id.unique_id)
+
+
+@pytest.fixture
+def views(monkeypatch: pytest.MonkeyPatch) -> KVViews:
+    views = KVViews()
+    monkeypatch.setattr(engine_router, "KV_VIEWS", views)
+    return views
+
+
+def _router(load: dict[str, int], threshold: int = 4) -> EngineRequestRouter:
+    router = EngineRequestRouter.__new__(EngineRequestRouter)  # no Serve: only the ranking
+    router._replica_queue_len_cache = QueueLengths(load)
+    router.load_threshold = threshold
+    return router
+
+
+def test_only_leading_blocks_count(views: KVViews) -> None:
+    views.by_replica = {"a": {H[0], H[2], H[3]}, "b": {H[0], H[1]}}
+    assert views.matched_blocks("a", H) == 1  # H[1] missing: what follows cannot be used
+    assert views.matched_blocks("b", H) == 2
+    assert views.matched_blocks("gone", H) == 0
+
+
+def test_the_longest_match_goes_first(views: KVViews) -> None:
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    views.by_replica = {"a": {H[0]}, "b": {H[0], H[1]}, "c": {H[0], H[1]}}
+    ranked = _router({"a": 0, "b": 3, "c": 1})._by_cached_prefix([a, b, c], H)
+    assert ranked == [[b, c], [a]]  # ties go together: Serve takes the less loaded of them
+
+
+def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
+    a, b = _replica("a"), _replica("b")
+    views.by_replica = {"a": {H[0], H[1]}, "b": set()}
+    assert _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]
+    assert _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H) == []
+    assert _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]]) == []
