@@ -397,3 +397,11 @@ def test_notes_render(chart: helm.Chart) -> None:
     (notes,) = [text for path, text in manifests.items() if path.endswith("NOTES.txt")]
     assert "kubectl -n serving port-forward svc/llm-pagedray 8000:8000" in notes
     assert "tensor_parallel_size 4" in notes
+
+
+def test_routing_reaches_the_app_only_when_set(chart: helm.Chart) -> None:
+    assert "routing" not in _serve_application(_rayservice(render(chart, TP4_X2))).args
+    values = _merge(TP4_X2, {"engine": {"routing": "power-of-two"}})
+    assert _serve_application(_rayservice(render(chart, values))).args["routing"] == "power-of-two"
+    with pytest.raises(helm.HelmError, match="routing"):
+        render(chart, _merge(TP4_X2, {"engine": {"routing": "random"}}))
