@@ -34,7 +34,7 @@ from pagedray.engine.async_engine import (
     RequestFailedError,
 )
 from pagedray.engine.config import EngineConfig
-from pagedray.engine.kv_index_publisher import KVIndexPublisher
+from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_stream import Sink
@@ -145,8 +145,8 @@ class EngineDeployment:
 
     async def subscribe_kv(self, replica_id: str) -> AsyncIterator[bytes]:
         """This replica's prefix-cache index for a cache-aware router, while the caller reads:
-        a snapshot, then each step's changes, each a pickled `KVCacheDelta` of routing hashes
-        (kv_index_publisher.py). Addressed to `replica_id` as `subscribe` is.
+        a snapshot, then each step's changes, each a pickled `pack_delta` of routing hashes
+        (kv_index_publisher.py), until idle. Addressed to `replica_id` as `subscribe` is.
         """
         if replica_id != self.replica_id:
             raise RuntimeError(f"engine replica {replica_id} is gone")
@@ -154,7 +154,7 @@ class EngineDeployment:
             raise RuntimeError("this engine records no KV cache events (enable_kv_cache_events)")
         self._publish_kv_deltas()
         async for delta in self.kv_index.subscribe():
-            yield pickle.dumps(delta, pickle.HIGHEST_PROTOCOL)
+            yield pickle.dumps(pack_delta(delta), pickle.HIGHEST_PROTOCOL)
 
     async def _generate_to_channel(
         self, request: dict[str, Any], channel_id: str
@@ -196,8 +196,9 @@ class EngineDeployment:
     def _publish_kv_deltas(self) -> None:
         """From now on, hand each step's KV delta to the publisher (on this event loop).
 
-        NOTE: called by the first health check, before any request, so that the publisher's
-        mirror holds every change; it needs the running loop, which `__init__` may not have.
+        NOTE: here, not in `__init__`, which may run without the event loop the hand-over
+        needs; the first health check comes before any request. Nothing is lost meanwhile: the
+        recorder keeps every change from the engine's start (or a snapshot) for the first take.
         """
         core = self.engine.engine
         if self.kv_index is not None and core.kv_delta_listener is None:

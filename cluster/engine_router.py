@@ -17,6 +17,7 @@ id, so matching by id cannot tell them apart. An addressed call is only ever giv
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -36,9 +37,11 @@ DEFAULT_LOAD_THRESHOLD = 32
 
 
 class EngineRequestRouter(LocalityMixin, RequestRouter):
-    """Two random replicas (same node first), the less loaded taken; a call with
-    `replica_id=...` goes to that replica, or, if it is gone, to any (which then refuses it,
-    so that it fails at once instead of waiting)."""
+    """The replicas caching most of a request's prefix (cache-aware, see the module), else two
+    random replicas (same node first), the less loaded taken; a call with `replica_id=...` goes
+    to that replica, or, if it is gone, to any (which then refuses it, so that it fails at once
+    instead of waiting). Cache-aware ranking ignores locality: a cached prefix saves more than
+    a hop."""
 
     _live_replica_ids: frozenset[str] = frozenset()
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
@@ -91,9 +94,11 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         best = max(matched)
         if best == 0:
             return []
-        load = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in replicas]
-        best_load = min(n for n, m in zip(load, matched) if m == best)
-        if best_load - min(load) > self.load_threshold:
+        # Serve's cached ongoing-request counts; None once stale (10 s): unknown, not idle.
+        load = [self.replica_queue_len_cache.get(r.replica_id) for r in replicas]
+        known = [n for n in load if n is not None]
+        best_known = [n for n, m in zip(load, matched) if m == best and n is not None]
+        if best_known and min(best_known) - min(known) > self.load_threshold:
             return []
         first = [r for r, m in zip(replicas, matched) if m == best]
         return [first, [r for r, m in zip(replicas, matched) if m < best]]
@@ -101,19 +106,31 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
     ) -> None:
-        """Give `replica` to the oldest waiting call that may have it (see the NOTE above).
+        """Give `replica` to the call it was chosen for, if that one still waits, else to the
+        oldest waiting call that may have it (see the NOTE above).
 
+        NOTE: the call a routing task routes is known by the task (Serve records it), and it
+        must get its replica: cache-aware choices depend on the call's prompt, and a routing
+        task that paused (a queue-length probe) must not hand its choice to a newer call.
         Overrides a private hook of Serve's `RequestRouter` (as its FIFO mixin does), using
         the same private bookkeeping; pinned Ray version.
         """
         unique_id = replica.replica_id.unique_id
-        for position, pending in enumerate(self._pending_requests_to_fulfill):
+        pending_calls = self._pending_requests_to_fulfill
+        routing_task = asyncio.current_task()
+        own = [
+            position
+            for position, pending in enumerate(pending_calls)
+            if self._routing_task_by_pending_request_future.get(pending.future) is routing_task
+        ]
+        for position in [*own, *range(len(pending_calls))]:
+            pending = pending_calls[position]
             if pending.future.done():
                 continue
             target = addressed_replica(pending)
             if target not in (None, unique_id) and target in self._live_replica_ids:
                 continue  # addressed to another replica, which is there to take it
-            del self._pending_requests_to_fulfill[position]  # by position: no __eq__ scan
+            del pending_calls[position]  # by position: no __eq__ scan
             self._cancel_routing_task_for_pending_request(pending)
             self._record_queue_wait_time(pending)
             pending.future.set_result(replica)
@@ -125,7 +142,7 @@ def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes]:
     if pending_request is None or not pending_request.args:
         return []
     request = pending_request.args[0]
-    return request.get(ROUTING_HASHES_KEY) or [] if isinstance(request, dict) else []
+    return (request.get(ROUTING_HASHES_KEY) or []) if isinstance(request, dict) else []
 
 
 def addressed_replica(pending_request: PendingRequest | None) -> str | None:

@@ -16,7 +16,7 @@ import logging
 import pickle
 from typing import Any
 
-from pagedray.engine.kv_index_publisher import routing_hash
+from pagedray.engine.kv_index_publisher import routing_hash, unpack_delta
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.scheduler.prefix_hash import compute_block_hashes
 
@@ -83,20 +83,26 @@ class KVViews:
         """Keep `replica_id`'s view until its stream ends: idle (the engine ends it; the view
         stays right, nothing changed, and the next request follows again) or broken (the view
         is dropped, and followed again after a pause while the replica is live)."""
-        streaming = self._engine.options(stream=True)
         while replica_id in self.live_replica_ids:
             view: set[bytes] = set()
-            stream = streaming.subscribe_kv.remote(**{REPLICA_ID_KWARG: replica_id})
+            stream = None
             try:
+                streaming = self._engine.options(stream=True)
+                stream = streaming.subscribe_kv.remote(**{REPLICA_ID_KWARG: replica_id})
                 async for pickled in stream:
-                    pickle.loads(pickled).apply(view)
-                    self.by_replica[replica_id] = view  # from its snapshot on
+                    delta = unpack_delta(pickle.loads(pickled))
+                    if delta.cleared:  # a snapshot: a new set, so the router never sees it empty
+                        view = set()
+                    delta.apply(view)
+                    self.by_replica[replica_id] = view
                 return
             except asyncio.CancelledError:
-                stream.cancel()
+                if stream is not None:
+                    stream.cancel()
                 raise
             except Exception as exc:  # noqa: BLE001 - the replica died or restarted
-                stream.cancel()
+                if stream is not None:
+                    stream.cancel()
                 logger.info("KV view of engine replica %s broke: %r", replica_id, exc)
             self.by_replica.pop(replica_id, None)
             await asyncio.sleep(RESUBSCRIBE_AFTER_S)

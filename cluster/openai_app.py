@@ -376,7 +376,7 @@ class OpenAIIngress:
             }
             for i, prompt in enumerate(prompts)
         ]
-        if KV_VIEWS.attached:
+        if KV_VIEWS.attached and len(KV_VIEWS.live_replica_ids) > 1:  # else nothing to choose
             KV_VIEWS.follow_live_replicas()
             for request, prompt in zip(requests, prompts):
                 hashes = KV_VIEWS.routing_hashes(prompt.token_ids, prompt.cache_salt)

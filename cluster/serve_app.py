@@ -55,15 +55,19 @@ def build_openai_app(
     `engine_builder` replaces `build_engine` in every engine replica (tests inject faults).
     The ingress waits on I/O and tokenizes, so like Serve's proxy it reserves no CPU by default.
     Only the API key's SHA-256 (`api_key_sha256`, or computed from `api_key`) is passed on.
-    `routing` (default cache-aware when there may be several engines, else power-of-two):
+    `routing` (default cache-aware when there may be several engines caching prefixes, else
+    power-of-two):
     cache-aware has the engines publish their prefix caches and the ingress follow them.
     """
     max_engines = (autoscaling_config or {}).get("max_replicas", num_replicas)
-    routing = routing or ("cache-aware" if max_engines > 1 else "power-of-two")
+    several = max_engines > 1 and config.enable_prefix_caching
+    routing = routing or ("cache-aware" if several else "power-of-two")
     if routing not in ROUTINGS:
         raise ValueError(f"routing: must be one of {', '.join(ROUTINGS)}, got {routing!r}")
-    if routing == "cache-aware":
-        config = config.model_copy(update={"enable_kv_cache_events": True})
+    if routing == "cache-aware" and not config.enable_prefix_caching:
+        raise ValueError("routing: cache-aware needs prefix caching, which is off")
+    # The ingress routes cache-aware exactly when the engines publish their caches.
+    config = config.model_copy(update={"enable_kv_cache_events": routing == "cache-aware"})
     guard = GuardSettings(
         api_key_sha256_of({"api_key": api_key, "api_key_sha256": api_key_sha256}),
         max_request_body_bytes,

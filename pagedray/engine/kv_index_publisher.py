@@ -9,6 +9,7 @@ line up exactly, without reading the live index while a step changes it. Hashes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator, Callable
 
 from pagedray.scheduler.kv_events import KVCacheDelta
@@ -37,7 +38,9 @@ class KVIndexPublisher:
         """The engine core's `kv_delta_listener`: hands each delta to `loop`, in step order."""
 
         def hand_over(delta: KVCacheDelta) -> None:
-            loop.call_soon_threadsafe(self.publish, delta)
+            # A closed loop (the replica is shutting down) has no one to read it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.publish, delta)
 
         return hand_over
 
@@ -79,3 +82,19 @@ class KVIndexPublisher:
     @property
     def num_subscribers(self) -> int:
         return len(self._subscribers)
+
+
+def pack_delta(delta: KVCacheDelta) -> tuple[bytes, bytes, bool]:
+    """A delta of routing hashes as two byte strings: a snapshot of a large pool pickles in
+    microseconds this way, against ~0.1 s as a list of 100k small bytes objects."""
+    return b"".join(delta.stored), b"".join(delta.removed), delta.cleared
+
+
+def unpack_delta(packed: tuple[bytes, bytes, bool]) -> KVCacheDelta:
+    stored, removed, cleared = packed
+    size = ROUTING_HASH_BYTES
+    return KVCacheDelta(
+        [stored[i : i + size] for i in range(0, len(stored), size)],
+        [removed[i : i + size] for i in range(0, len(removed), size)],
+        cleared,
+    )

@@ -61,3 +61,11 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     assert _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]
     assert _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H) == []
     assert _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]]) == []
+
+
+def test_an_unknown_load_is_not_taken_for_idle(views: KVViews) -> None:
+    """Serve forgets a count after 10 s: neither side of the comparison may read it as 0."""
+    a, b = _replica("a"), _replica("b")
+    views.by_replica = {"a": {H[0]}, "b": set()}
+    assert _router({"b": 9}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]
+    assert _router({"a": 9}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]

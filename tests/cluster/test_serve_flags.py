@@ -86,8 +86,11 @@ def test_routing_is_cache_aware_with_several_engines(tiny_llama: str) -> None:
     assert kv_events(["--min-replicas", "1", "--max-replicas", "3"])
     assert not kv_events(["--num-replicas", "2", "--routing", "power-of-two"])
     assert kv_events(["--routing", "cache-aware"])
+    assert not kv_events(["--num-replicas", "2", "--no-enable-prefix-caching"])
     with pytest.raises(ValueError, match="^routing: must be one of"):
         build_app({"model": tiny_llama, "routing": "random"})
+    with pytest.raises(ValueError, match="^routing: cache-aware needs prefix caching"):
+        build_app({"model": tiny_llama, "routing": "cache-aware", "enable_prefix_caching": False})
 
 
 def test_metrics_host_follows_the_api_host() -> None:

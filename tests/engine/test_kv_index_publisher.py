@@ -13,7 +13,12 @@ from pagedray.engine import kv_index_publisher
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
-from pagedray.engine.kv_index_publisher import KVIndexPublisher, routing_hash
+from pagedray.engine.kv_index_publisher import (
+    KVIndexPublisher,
+    pack_delta,
+    routing_hash,
+    unpack_delta,
+)
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -95,3 +100,9 @@ def test_subscribers_views_equal_the_engine_index(
         assert publisher.num_subscribers == 0
 
     asyncio.run(run())
+
+
+def test_a_packed_delta_unpacks_to_itself() -> None:
+    delta = KVCacheDelta([b"a" * 8, b"b" * 8], [b"c" * 8], cleared=True)
+    assert unpack_delta(pack_delta(delta)) == delta
+    assert unpack_delta(pack_delta(KVCacheDelta())) == KVCacheDelta()
