@@ -37,15 +37,34 @@ def _serve_logs(server: ServeProcess, component: str) -> str:
     return "".join(path.read_text(errors="replace") for path in files)
 
 
-def _metrics(server: ServeProcess) -> str:
-    """The API port's /metrics (no key) once it holds the generation counter."""
+def _family_names(text: str) -> set[str]:
+    return {family.name for family in text_string_to_metric_families(text)}
+
+
+def _exported_families(server: ServeProcess) -> set[str]:
+    """The pagedray families on Ray's export port once it holds the generation counter."""
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).text
+        if "ray_pagedray_generation_tokens_total{" in text:
+            return {name for name in _family_names(text) if name.startswith("ray_pagedray_")}
+        assert time.monotonic() < deadline, text[:2000]
+        time.sleep(1.0)
+
+
+def _metrics(server: ServeProcess, families: set[str]) -> str:
+    """The API port's /metrics (no key) once it holds every given family.
+
+    NOTE: Ray's agent exports each process's metrics on its own schedule, so a family the export
+    port showed a moment ago may be newer than the API port's last read of it: wait for it.
+    """
     deadline = time.monotonic() + EXPORT_TIMEOUT_S
     while True:
         response = httpx.get(f"{server.url}/metrics", timeout=30)
         assert response.status_code == 200, response.text
-        if "ray_pagedray_generation_tokens_total{" in response.text:
+        if families <= _family_names(response.text):
             return response.text
-        assert time.monotonic() < deadline, response.text[:2000]
+        assert time.monotonic() < deadline, (families - _family_names(response.text))
         time.sleep(1.0)
 
 
@@ -78,15 +97,13 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         whole = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert whole.json()["usage"]["completion_tokens"] == 4
 
-        text = _metrics(server)
+        # The same series names as Ray's export port, so one dashboard reads either.
+        exported = _exported_families(server)
+        assert {"ray_pagedray_http_requests", "ray_pagedray_generation_tokens"} <= exported
+        text = _metrics(server, exported)
         headers = [line for line in text.splitlines() if line.startswith("#")]
         assert len(headers) == len(set(headers))
-        names = {f.name for f in text_string_to_metric_families(text)}
-        assert all(name.startswith("ray_pagedray_") for name in names)
-        # The same series names as Ray's export port, so one dashboard reads either.
-        export = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).text
-        exported = {f.name for f in text_string_to_metric_families(export)}
-        assert {name for name in exported if name.startswith("ray_pagedray_")} <= names
+        assert all(name.startswith("ray_pagedray_") for name in _family_names(text))
 
         def completions_logged() -> list[str]:
             log = _serve_logs(server, "OpenAIIngress")
