@@ -40,6 +40,7 @@ from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_stream import Sink
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.workers.compute_thread import compute_thread
+from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_threads_per_rank
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
@@ -75,7 +76,7 @@ class EngineDeployment:
         engine_builder: EngineBuilder | None = None,
     ) -> None:
         """`engine_builder` (default `build_engine`) lets tests inject a faulty engine."""
-        self.config = EngineConfig.model_validate(config)
+        self.config = _with_serving_threads(EngineConfig.model_validate(config))
         if engine_builder is None:
             from pagedray.engine.engine_factory import build_engine
 
@@ -239,6 +240,7 @@ class EngineDeployment:
             "num_output_channels": len(self.channels),
             "num_channel_batches": self.channels.num_batches,
             "num_kv_subscribers": self.kv_index.num_subscribers if self.kv_index else 0,
+            "num_threads": self.config.num_threads,  # torch threads per rank; None on a GPU
         }
 
     def __del__(self) -> None:
@@ -325,3 +327,28 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside Serve (unit tests)
         return "local"
+
+
+def _with_serving_threads(config: EngineConfig) -> EngineConfig:
+    """`config` with torch threads per CPU rank set, where it leaves them to us: all the node's
+    cores but one, which the ingress and this replica's loop need (workers/cpu_threads.py)."""
+    if config.num_threads is not None or _uses_gpu(config):
+        return config
+    threads = serving_threads_per_rank(config.tensor_parallel_size)
+    logger.info(
+        "%d torch thread(s) per rank: the node's cores but %d, over %d rank(s) (--num-threads "
+        "sets it)", threads, RESERVED_SERVING_CORES, config.tensor_parallel_size,
+    )  # fmt: skip
+    return config.model_copy(update={"num_threads": threads})
+
+
+def _uses_gpu(config: EngineConfig) -> bool:
+    """Whether this replica's ranks run on GPUs: any bundle of its group holds one."""
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group() if _ray_ready() else None
+    if group is not None:
+        return any(bundle.get("GPU", 0) >= 1 for bundle in group.bundle_specs)
+    if config.device != "auto":
+        return config.device == "cuda"
+    return _ray_ready() and resolve_use_gpu("auto")

@@ -22,6 +22,7 @@ from pagedray.cli.serve_runtime import (
     proxy_port,
     wait_until_ready,
 )
+from pagedray.workers.cpu_threads import serving_threads_per_rank
 
 APP_NAME = "pagedray"
 API_KEY_ENV = "PAGEDRAY_API_KEY"
@@ -71,7 +72,12 @@ def add_serve_parser(commands: Any) -> None:
         default=None,
         help="seconds a request may take before it is aborted with 504 (default 600; 0: none)",
     )
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads per rank on a CPU (default: the cores but one, split among ranks)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
         "--dispatch",
@@ -157,6 +163,16 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in app_args.items() if value is not None}
 
 
+def local_threads_per_rank(args: argparse.Namespace) -> int | None:
+    """Torch threads per rank when every engine runs on this machine and the flags leave them
+    to us: all its cores but one, split among all the engines' ranks (an engine replica alone
+    would count only its own ranks). None on a GPU or with --num-threads."""
+    if args.num_threads is not None or args.device == "cuda":
+        return None
+    engines = args.max_replicas or args.num_replicas
+    return serving_threads_per_rank(engines * args.tensor_parallel_size)
+
+
 def _api_key_args(args: argparse.Namespace) -> dict[str, Any]:
     """--api-key or --api-key-file, else $PAGEDRAY_API_KEY: the file or the environment keep the
     key out of the process's command line."""
@@ -180,6 +196,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if local:
         # NOTE: before Ray is imported: Serve reads these when its modules load.
         os.environ.update(lean_serve_env(args.port, args.num_ingress_replicas))
+    if local and (threads := local_threads_per_rank(args)) is not None:
+        app_args["num_threads"] = threads
     import ray
     from ray import serve
     from ray.serve.api import _run

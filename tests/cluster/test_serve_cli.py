@@ -6,10 +6,11 @@ import argparse
 
 from ray.serve import Application
 
-from pagedray.cli.serve import add_serve_parser, serve_app_args
-from pagedray.cluster.engine_deployment import engine_deployment_options
+from pagedray.cli.serve import add_serve_parser, local_threads_per_rank, serve_app_args
+from pagedray.cluster.engine_deployment import _with_serving_threads, engine_deployment_options
 from pagedray.cluster.openai_app import build_app
 from pagedray.engine.config import EngineConfig
+from pagedray.workers.cpu_threads import serving_threads_per_rank
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -87,3 +88,22 @@ def test_admission_flags(tiny_llama: str) -> None:
     config = EngineConfig.model_validate(engine_args)
     assert (config.request_timeout_s, config.max_num_waiting) == (0.0, 7)  # 0: no deadline
     assert EngineConfig(model=tiny_llama).request_timeout_s == 600.0
+
+
+def test_local_threads_leave_a_core_to_the_serving_path(tiny_llama: str) -> None:
+    assert local_threads_per_rank(_parse([tiny_llama])) == serving_threads_per_rank(1)
+    two_engines = _parse([tiny_llama, "--num-replicas", "2", "-tp", "2"])
+    assert local_threads_per_rank(two_engines) == serving_threads_per_rank(4)
+    autoscaled = _parse([tiny_llama, "--min-replicas", "1", "--max-replicas", "3"])
+    assert local_threads_per_rank(autoscaled) == serving_threads_per_rank(3)
+    assert local_threads_per_rank(_parse([tiny_llama, "--num-threads", "5"])) is None
+    assert local_threads_per_rank(_parse([tiny_llama, "--device", "cuda"])) is None
+
+
+def test_an_engine_replica_without_threads_leaves_a_core_to_serving(tiny_llama: str) -> None:
+    """What a Serve config that names no num_threads gets (outside Ray: no GPU bundle)."""
+    base = {"model": tiny_llama, "tensor_parallel_size": 2}
+    config = _with_serving_threads(EngineConfig(**base))
+    assert config.num_threads == serving_threads_per_rank(2)
+    assert _with_serving_threads(EngineConfig(**base, num_threads=3)).num_threads == 3
+    assert _with_serving_threads(EngineConfig(**base, device="cuda")).num_threads is None

@@ -14,6 +14,8 @@ import httpx
 from _subprocesses import ServeProcess, pagedray_serve
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedray.workers.cpu_threads import serving_threads_per_rank
+
 KEY = "sk-api-port-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 32 * 16  # --num-kv-blocks 32 of 16 tokens
@@ -69,7 +71,8 @@ def _metrics(server: ServeProcess, families: set[str]) -> str:
 
 
 def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> None:
-    flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32", "--num-threads", "1"]
+    # No --num-threads: the default leaves a core to the serving path (1 thread on 2 cores).
+    flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32"]
     # NOTE: pagedray serve writes each access line at once (Serve's throughput mode would buffer
     # 1,000), so they are in the replica logs read below.
     with pagedray_serve(tiny_llama, *flags, "--api-key", KEY) as server:
@@ -96,6 +99,8 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
                 assert next(line for line in response.iter_lines() if line.startswith("data: "))
         whole = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert whole.json()["usage"]["completion_tokens"] == 4
+        replicas = client.get("/stats").json()["replicas"]
+        assert [replica["num_threads"] for replica in replicas] == [serving_threads_per_rank(1)]
 
         # The same series names as Ray's export port, so one dashboard reads either.
         exported = _exported_families(server)
