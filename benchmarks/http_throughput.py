@@ -5,7 +5,9 @@ output lengths) runs offline through `LLM.generate`, then through a `pagedray se
 its own local Ray: every request at once to /v1/completions, without and with streaming. Each
 system first runs the whole workload once untimed (`--cold` skips it), so that a fresh server's
 one-off costs (oneDNN compiling a primitive per batch size it meets) are not timed against an
-engine that has paid them already.
+engine that has paid them already. Each system runs at its defaults: `LLM.generate` on every
+core (`--threads`), the server on all but one, which it leaves to its serving path
+(`--server-threads` overrides).
 
     .venv/bin/python benchmarks/http_throughput.py            # 64 requests, a few minutes
     .venv/bin/python benchmarks/http_throughput.py --quick    # 16 short requests, a smoke run
@@ -283,8 +285,9 @@ class Server:
     """`pagedray serve` in a session of its own, with its own local Ray, logging to a file."""
 
     def __init__(
-        self, path: str, threads: int, tp: int, log_dir: Path, stream_interval: int = 1
+        self, path: str, threads: int | None, tp: int, log_dir: Path, stream_interval: int = 1
     ) -> None:
+        """`threads` None: the server's own default (workers/cpu_threads.py)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         executable = Path(sys.executable).with_name("pagedray")
@@ -296,8 +299,6 @@ class Server:
             str(self.port),
             "--metrics-export-port",
             str(free_port()),
-            "--num-threads",
-            str(threads),
             "--dtype",
             "float32",
             "--tensor-parallel-size",
@@ -305,6 +306,8 @@ class Server:
             "--stream-interval",
             str(stream_interval),
         ]
+        if threads is not None:
+            command += ["--num-threads", str(threads)]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
         self.log_path = log_dir / f"serve_tp{tp}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -462,7 +465,7 @@ def run_http(server: Server, workload: Workload, stream: bool, tp: int, warm: bo
 def run_server(
     path: str,
     workload: Workload,
-    threads: int,
+    threads: int | None,
     tp: int,
     timeout_s: float,
     stream_interval: int,
@@ -575,7 +578,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 short requests: a smoke run")
     parser.add_argument("--num-requests", type=int, default=None, help="default 64 (16 quick)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads at TP=1")
+    parser.add_argument("--threads", type=int, default=2, help="LLM.generate's threads at TP=1")
+    parser.add_argument(
+        "--server-threads",
+        type=int,
+        default=None,
+        help="the server's --num-threads (default: its own, the cores but one among its ranks)",
+    )
     parser.add_argument("--tp2", action="store_true", help="also TP=2, 1 thread per rank")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload")
     parser.add_argument(
@@ -610,7 +619,8 @@ def main() -> None:
         for tp, threads in [(1, args.threads)] + ([(2, 1)] if args.tp2 else []):
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
             print(
-                f"-- repeat {repeat + 1}/{args.repeats}, tp={tp}, {threads} thread(s) per rank; "
+                f"-- repeat {repeat + 1}/{args.repeats}, tp={tp}, {threads} thread(s) per rank "
+                f"offline, {args.server_threads or 'the default'} served; "
                 f"load average {load}",
                 flush=True,
             )
@@ -620,7 +630,7 @@ def main() -> None:
                 run_server(
                     path,
                     workload,
-                    threads,
+                    args.server_threads,
                     tp,
                     args.startup_timeout,
                     args.stream_interval,

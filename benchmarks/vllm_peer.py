@@ -29,14 +29,15 @@ vLLM settings (environment variables read by its CPU platform; flags change them
   tokens), 2 GiB for this model (4 KiB per token, 524,288 tokens); vLLM's 2 GiB holds the same
   524,288 tokens (its default would be 4 GiB).
 - VLLM_CPU_OMP_THREADS_BIND=0-1: "auto" reserves one of the two cores for its engine-core and API
-  processes and leaves the model worker one OpenMP thread; pagedray runs 2 torch threads with its
-  Ray processes beside them, so vLLM's worker gets the same two threads, bound to the two cores
-  (in a --quick run, "auto" gave vLLM 1,572 concurrent tok/s, "0-1" 1,913). "nobind" would leave
-  Intel OpenMP's 200 ms spin-wait in place of the 5 ms vLLM sets when it binds.
+  processes and leaves the model worker one OpenMP thread, as `pagedray serve` does by default;
+  vLLM's worker gets both cores instead, bound, which measured faster for it (in a --quick run,
+  "auto" gave vLLM 1,572 concurrent tok/s, "0-1" 1,913): the peer at its best. "nobind" would
+  leave Intel OpenMP's 200 ms spin-wait in place of the 5 ms vLLM sets when it binds.
   VLLM_CPU_NUM_OF_RESERVED_CPU is left unset: only the "auto" binding reads it.
 - LD_PRELOAD of tcmalloc and the venv's Intel OpenMP (libiomp5), as vLLM's CPU docs recommend.
 - Everything else at vLLM's defaults (block size 128 on CPU, its own batch limits, torch.compile
-  of the model at start-up); pagedray at its own (2 threads, `--stream-interval 1`, as vLLM's).
+  of the model at start-up); pagedray at its own (offline 2 threads; served, the cores but one
+  for the model, `--stream-interval 1`, as vLLM's).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) 
     log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_peer_{system}_"))
     server: Server
     if system == "pagedray":
-        server, role_of = Server(path, args.threads, 1, log_dir), _role_of
+        server, role_of = Server(path, args.server_threads, 1, log_dir), _role_of
     else:
         server, role_of = VllmServer(env, path, log_dir), vllm_role
     guidellm = Guidellm(
@@ -209,7 +210,8 @@ def parse_args() -> argparse.Namespace:
     add("--repeats", type=int, default=3, help="offline runs per system, interleaved")
     add("--rounds", type=int, default=None, help="served sweeps per system (default 3, quick 1)")
     add("--parts", default="offline,served", help="comma-separated: offline, served")
-    add("--threads", type=int, default=2, help="pagedray's torch threads")
+    add("--threads", type=int, default=2, help="pagedray's torch threads offline")
+    add("--server-threads", type=int, default=None, help="pagedray serve's (default: its own)")
     add("--streams", type=int, default=64, help="guidellm's concurrent streams")
     add("--seed", type=int, default=0, help="seeds the offline workload")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -235,7 +237,8 @@ def main() -> None:
     num_requests = args.num_requests or (16 if args.quick else 64)
     path, workload = benchmark_workload(num_requests, args.quick, args.seed)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"model {path}; pagedray {args.threads} threads; load average {load}")
+    served = args.server_threads or "its default"
+    print(f"model {path}; pagedray {args.threads} threads offline, {served} served; load {load}")
     print(
         f"vLLM: {env.python}, KV {env.kv_space_gib} GiB, OMP bind {env.omp_bind!r}, "
         f"LD_PRELOAD {env.preload}"
