@@ -11,14 +11,14 @@ import asyncio
 import contextlib
 import logging
 import pickle
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 from ray.serve import Deployment
 from ray.serve.config import RequestRouterConfig
 
-from pagedray.cluster.engine_router import EngineRequestRouter
+from pagedray.cluster.engine_autoscaling import report as autoscaling_report
+from pagedray.cluster.engine_router import DEFAULT_LOAD_THRESHOLD, EngineRequestRouter
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.admission import (
@@ -35,6 +35,7 @@ from pagedray.engine.async_engine import (
 )
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
+from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_stream import Sink
@@ -46,6 +47,14 @@ from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_threads
 MAX_ONGOING_REQUESTS = 4096
 # Serve asks each replica this often whether its engine steps; a dead one is replaced then.
 DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
+# Draining: a replica being removed (scale-down, rolling update, shutdown) gets no new requests,
+# and Serve waits for its calls this long before it kills it. Its requests end by their deadline
+# (`request_timeout_s`), then its output channels within `IDLE_S`: that, plus a margin, lets
+# every one finish. Without a deadline, an hour. Serve's own default, 20 s, would cut them off.
+DRAIN_MARGIN_S = 10.0
+NO_DEADLINE_DRAIN_S = 3600.0
+# How often a draining replica looks whether its calls are done (Serve's default: 2 s).
+DRAIN_POLL_S = 1.0
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
@@ -84,7 +93,7 @@ class EngineDeployment:
         # Built on the thread that will step it (see workers/compute_thread.py).
         engine, self.executor, _, _ = compute_thread().run(engine_builder, self.config)
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
-        model_name = self.config.served_model_name or Path(self.config.model).name
+        model_name = self.config.served_name()
         self.engine = AsyncEngine(
             engine,
             # Token ids only: the ingress makes the text (and finds stop strings).
@@ -233,6 +242,10 @@ class EngineDeployment:
         if not health["healthy"]:
             raise RuntimeError(health["error"])
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: this engine's load (engine_autoscaling.py)."""
+        return autoscaling_report(self.engine.stats())
+
     async def stats(self) -> dict[str, Any]:
         return {
             **self.engine.stats(),
@@ -288,8 +301,10 @@ def engine_deployment_options(
     num_replicas: int = 1,
     autoscaling_config: dict[str, Any] | None = None,
     health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S,
+    routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD,
 ) -> dict[str, Any]:
-    """Serve options for one engine per replica, each with its own STRICT_PACK group."""
+    """Serve options for one engine per replica, each with its own STRICT_PACK group, routed by
+    `EngineRequestRouter` (its load threshold, and its metrics tagged with the model's name)."""
     use_gpu = resolve_use_gpu(config.device) if _ray_ready() else config.device == "cuda"
     in_process = config.tensor_parallel_size == 1 and not config.use_ray_workers
     # An in-process rank runs in the replica itself, so the replica's bundle holds its device.
@@ -302,13 +317,27 @@ def engine_deployment_options(
         "placement_group_strategy": "STRICT_PACK",
         "ray_actor_options": {"num_cpus": head["CPU"], "num_gpus": head.get("GPU", 0)},
         "health_check_period_s": health_check_period_s,
-        "request_router_config": RequestRouterConfig(request_router_class=EngineRequestRouter),
+        "graceful_shutdown_timeout_s": drain_timeout_s(config),
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=EngineRequestRouter,
+            request_router_kwargs={
+                "load_threshold": routing_load_threshold,
+                "model_name": config.served_name(),
+            },
+        ),
     }
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config
     else:
         options["num_replicas"] = num_replicas
     return options
+
+
+def drain_timeout_s(config: EngineConfig) -> float:
+    """Seconds a removed replica may take to finish its requests (see `DRAIN_MARGIN_S`)."""
+    deadline = config.request_timeout_s or NO_DEADLINE_DRAIN_S
+    return deadline + OUTPUT_CHANNEL_IDLE_S + DRAIN_MARGIN_S
 
 
 def engine_deployment(config: EngineConfig, **options: Any) -> Deployment:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import (
@@ -29,11 +30,38 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from pagedray.cluster.kv_views import KV_VIEWS, ROUTING_HASHES_KEY
+# NOTE: the module, not its `KV_VIEWS`: Serve pickles this router's module by value into each
+# process that routes, and a global bound here would travel as a copy of the ingress's views
+# instead of naming them; a module is pickled by name, so `kv_views.KV_VIEWS` is this process's.
+from pagedray.cluster import kv_views
+from pagedray.cluster.kv_views import ROUTING_HASHES_KEY
+from pagedray.cluster.metrics import RouterMetrics
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 
 # Ongoing requests by which the best-matching replica may exceed the lightest and still be chosen.
 DEFAULT_LOAD_THRESHOLD = 32
+# Where a routed call's decision waits in its request dict for the replica that takes it
+# (popped then, so it never travels to the engine).
+ROUTING_DECISION_KEY = "_routing_decision"
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Why a call was ranked as it was: the reason and, for a prefix match, how many leading
+    blocks each candidate replica caches (by replica id)."""
+
+    reason: str  # a `RouterMetrics` reason
+    matched: dict[str, int] | None = None
+
+    def for_replica(self, replica_id: str) -> tuple[str, int | None]:
+        """The reason and matched blocks for the replica that took the call: a prefix match
+        that Serve gave to a less-matching replica (the best were full) is a load fallback."""
+        if self.matched is None:
+            return self.reason, None
+        blocks = self.matched.get(replica_id, 0)
+        if self.reason == "prefix_match" and blocks < max(self.matched.values()):
+            return "load_fallback", blocks
+        return self.reason, blocks
 
 
 class EngineRequestRouter(LocalityMixin, RequestRouter):
@@ -45,23 +73,31 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
 
     _live_replica_ids: frozenset[str] = frozenset()
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
+    metrics: RouterMetrics | None = None
 
-    def initialize_state(self, load_threshold: int = DEFAULT_LOAD_THRESHOLD, **kwargs: Any) -> None:
-        """`request_router_kwargs` of the deployment's `request_router_config`."""
+    def initialize_state(
+        self,
+        load_threshold: int = DEFAULT_LOAD_THRESHOLD,
+        model_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`request_router_kwargs` of the deployment's `request_router_config`; with
+        `model_name`, each routed call is counted (`RouterMetrics`)."""
         super().initialize_state(**kwargs)
         self.load_threshold = load_threshold
+        self.metrics = RouterMetrics(model_name) if model_name is not None else None
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._live_replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
-        KV_VIEWS.live_replica_ids = self._live_replica_ids
+        kv_views.KV_VIEWS.set_live_replicas(self._live_replica_ids)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         # NOTE: Serve drops a replica whose call failed with ActorDiedError here, well before
         # its controller's update: the calls addressed to it must then go elsewhere at once.
         super().on_replica_actor_died(replica_id)
         self._live_replica_ids = self._live_replica_ids - {replica_id.unique_id}
-        KV_VIEWS.live_replica_ids = self._live_replica_ids
+        kv_views.KV_VIEWS.set_live_replicas(self._live_replica_ids)
 
     async def choose_replicas(
         self,
@@ -78,30 +114,36 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         local = [by_id[i] for i in self.apply_locality_routing(pending_request) if i in by_id]
         pool = local or candidate_replicas
         hashes = _routing_hashes(pending_request)
+        ranked: list[list[RunningReplica]] = []
+        decision = RoutingDecision("load_only")
         if hashes and len(candidate_replicas) > 1:
-            ranked = self._by_cached_prefix(candidate_replicas, hashes)
-            if ranked:
-                return ranked
+            ranked, decision = self._by_cached_prefix(candidate_replicas, hashes)
+        _keep_decision(pending_request, decision)
+        if ranked:
+            return ranked
         # The base class probes the queue length of both and sends to the shorter.
         return [random.sample(pool, k=min(2, len(pool)))] if pool else []
 
     def _by_cached_prefix(
         self, replicas: list[RunningReplica], hashes: list[bytes]
-    ) -> list[list[RunningReplica]]:
+    ) -> tuple[list[list[RunningReplica]], RoutingDecision]:
         """The replicas holding the longest cached prefix first (then the rest, should those be
         full); none when nothing matches or the best match is too loaded."""
-        matched = [KV_VIEWS.matched_blocks(r.replica_id.unique_id, hashes) for r in replicas]
+        ids = [r.replica_id.unique_id for r in replicas]
+        matched = [kv_views.KV_VIEWS.matched_blocks(replica_id, hashes) for replica_id in ids]
+        by_id = dict(zip(ids, matched))
         best = max(matched)
         if best == 0:
-            return []
+            return [], RoutingDecision("no_match", by_id)
         # Serve's cached ongoing-request counts; None once stale (10 s): unknown, not idle.
         load = [self.replica_queue_len_cache.get(r.replica_id) for r in replicas]
         known = [n for n in load if n is not None]
         best_known = [n for n, m in zip(load, matched) if m == best and n is not None]
         if best_known and min(best_known) - min(known) > self.load_threshold:
-            return []
+            return [], RoutingDecision("load_fallback", by_id)
         first = [r for r, m in zip(replicas, matched) if m == best]
-        return [first, [r for r, m in zip(replicas, matched) if m < best]]
+        ranked = [first, [r for r, m in zip(replicas, matched) if m < best]]
+        return ranked, RoutingDecision("prefix_match", by_id)
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -133,9 +175,29 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             del pending_calls[position]  # by position: no __eq__ scan
             self._cancel_routing_task_for_pending_request(pending)
             self._record_queue_wait_time(pending)
+            self._record_decision(pending, unique_id)
             pending.future.set_result(replica)
             self._remove_pending_request_from_indices(pending)
             return
+
+    def _record_decision(self, pending: PendingRequest, replica_id: str) -> None:
+        """Count the call `pending` as routed to `replica_id`, and take its decision out of the
+        request (before the request is sent)."""
+        request = pending.args[0] if pending.args else None
+        if not isinstance(request, dict):
+            return
+        decision = request.pop(ROUTING_DECISION_KEY, None)
+        if decision is not None and self.metrics is not None:
+            self.metrics.record(replica_id, *decision.for_replica(replica_id))
+
+
+def _keep_decision(pending_request: PendingRequest | None, decision: RoutingDecision) -> None:
+    """Leave `decision` in the call's request dict until a replica takes it (a retry replaces
+    it). Calls without a request dict are not the engines' generation calls: not counted."""
+    if pending_request is not None and pending_request.args:
+        request = pending_request.args[0]
+        if isinstance(request, dict):
+            request[ROUTING_DECISION_KEY] = decision
 
 
 def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes]:

@@ -36,6 +36,7 @@ class KVViews:
         self._engine: Any = None
         self._block_size = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the ingress's, where views follow
 
     def attach(self, engine: Any, block_size: int) -> None:
         """Follow the replicas of `engine` (a handle routed by `EngineRequestRouter`)."""
@@ -50,16 +51,24 @@ class KVViews:
         hashes = compute_block_hashes(token_ids, self._block_size, cache_salt, [])
         return [routing_hash(block_hash) for block_hash in hashes]
 
+    def set_live_replicas(self, replica_ids: frozenset[str]) -> None:
+        """The router's news (on whatever thread Serve runs it): the views follow at once, not
+        at the next request, so that a new replica's cache is known before requests need it."""
+        self.live_replica_ids = replica_ids
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.follow_live_replicas)
+
     def follow_live_replicas(self) -> None:
-        """Start following new replicas and forget gone ones (on the ingress's event loop)."""
+        """Start following new replicas and forget gone ones (on the ingress's event loop, which
+        it remembers for the router's later news)."""
         if self._engine is None:
             return
+        loop = self._loop = asyncio.get_running_loop()
         live = self.live_replica_ids
         for replica_id in list(self._tasks):
             if replica_id not in live:
                 self._tasks.pop(replica_id).cancel()
                 self.by_replica.pop(replica_id, None)
-        loop = asyncio.get_running_loop()
         for replica_id in live:
             task = self._tasks.get(replica_id)
             if task is None or task.done():

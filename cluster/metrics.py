@@ -1,5 +1,6 @@
 """pagedray's Prometheus metrics, every one defined here and recorded with `ray.util.metrics`:
-the engine's (`EngineMetrics`) and the HTTP ingress's (`IngressMetrics`).
+the engine's (`EngineMetrics`), the HTTP ingress's (`IngressMetrics`) and the engine router's
+(`RouterMetrics`, in the ingress's process).
 
 Names follow vLLM's. Ray exports each as `ray_<name>` (counters add `_total`, histograms
 `_bucket`/`_sum`/`_count`): exactly `grafana_dashboard.METRIC_NAMES`, which a test checks.
@@ -24,6 +25,9 @@ REQUEST_LATENCY_BUCKETS = [
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
 BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024]
+# Upper bounds, which include the value; Ray takes positive bounds only, so a miss (0 blocks)
+# has the first bucket, 0.5, to itself.
+MATCHED_BLOCKS_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 
 # The scheduler's cumulative stats exported as counters: `Scheduler.stats()` keys, and the
 # names of the counter attributes below.
@@ -199,7 +203,42 @@ class IngressMetrics:
         return _prometheus_names(self)
 
 
-def _prometheus_names(metrics: EngineMetrics | IngressMetrics) -> list[str]:
+class RouterMetrics:
+    """The engine router's decisions, in each process that routes to the engines (the ingress
+    replicas): one call per routed generation, with the replica it went to and why.
+
+    Reasons: `prefix_match` (a replica caching most of the prompt's leading blocks),
+    `load_fallback` (the best match was too loaded, or full, so another took it), `no_match`
+    (no replica caches any of them), `load_only` (nothing to match: one engine, power-of-two
+    routing, or no routing hashes yet).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        tags = {"model_name": model_name}
+        self.routed_requests = Counter(
+            "pagedray_routed_requests",
+            "Generation calls routed to an engine replica, by replica and routing decision.",
+            TAG_KEYS + ("replica", "reason"),
+        ).set_default_tags(tags)
+        self.routing_matched_blocks = Histogram(
+            "pagedray_routing_matched_blocks",
+            "Leading KV blocks of a routed prompt that its replica caches (the router's view).",
+            MATCHED_BLOCKS_BUCKETS,
+            TAG_KEYS,
+        ).set_default_tags(tags)
+
+    def record(self, replica: str, reason: str, matched_blocks: int | None) -> None:
+        """One routed call; `matched_blocks` None when the router had no prefix to match."""
+        self.routed_requests.inc(tags={"replica": replica, "reason": reason})
+        if matched_blocks is not None:
+            self.routing_matched_blocks.observe(matched_blocks)
+
+    def prometheus_names(self) -> list[str]:
+        """The names Ray's Prometheus endpoint exports these metrics under."""
+        return _prometheus_names(self)
+
+
+def _prometheus_names(metrics: EngineMetrics | IngressMetrics | RouterMetrics) -> list[str]:
     names = []
     for metric in vars(metrics).values():
         if isinstance(metric, Counter):

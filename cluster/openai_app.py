@@ -14,7 +14,6 @@ import asyncio
 import functools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -24,10 +23,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# NOTE: the module, not its `KV_VIEWS` (see the NOTE above): by value, the name would carry a
+# copy of the views, not this process's, which the engine router reads.
+from pagedray.cluster import kv_views
 from pagedray.cluster.client_disconnect import ClientDisconnect
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
-from pagedray.cluster.kv_views import KV_VIEWS, ROUTING_HASHES_KEY
+from pagedray.cluster.kv_views import ROUTING_HASHES_KEY
 from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import (
     CONTENT_TYPE,
@@ -39,6 +41,7 @@ from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import load_tokenizer, make_validator
 from pagedray.engine.prompts import ValidatedPrompt
+from pagedray.observability.ray_grafana import provision_for_this_ray_session
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -155,18 +158,19 @@ class OpenAIIngress:
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         self.engine = engine
         self.config = EngineConfig.model_validate(config)
-        self.model_name = self.config.served_model_name or Path(self.config.model).name
+        self.model_name = self.config.served_name()
         self.tokenizer = load_tokenizer(self.config)
         self.control = EngineControl(engine, config_max_model_len(self.config))
         # Streamed outputs come through the engines' output channels, a message per step.
         self.subscriber = OutputSubscriber(engine)
         if self.config.enable_kv_cache_events:  # cache-aware routing: follow the engines' caches
-            KV_VIEWS.attach(engine, self.config.block_size)
+            kv_views.KV_VIEWS.attach(engine, self.config.block_size)
         self.validator = make_validator(self.config, self.tokenizer, self.control.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.guard = GuardSettings(api_key_sha256, max_request_body_bytes)
         self.metrics = IngressMetrics(self.model_name)
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedray-tok")
+        provision_for_this_ray_session()  # on the head: our dashboard beside Ray's in Grafana
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -376,10 +380,11 @@ class OpenAIIngress:
             }
             for i, prompt in enumerate(prompts)
         ]
-        if KV_VIEWS.attached and len(KV_VIEWS.live_replica_ids) > 1:  # else nothing to choose
-            KV_VIEWS.follow_live_replicas()
+        views = kv_views.KV_VIEWS
+        views.follow_live_replicas()  # also lets the router's news reach this loop
+        if views.attached and len(views.live_replica_ids) > 1:  # else nothing to choose
             for request, prompt in zip(requests, prompts):
-                hashes = KV_VIEWS.routing_hashes(prompt.token_ids, prompt.cache_salt)
+                hashes = views.routing_hashes(prompt.token_ids, prompt.cache_salt)
                 request[ROUTING_HASHES_KEY] = hashes
         streams = EngineStreams(self.engine, requests, self.tokenizer, self.subscriber)
         error = await streams.open()

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import pickle
 import time
+import uuid
 from typing import Literal, Protocol
 
 import ray
@@ -94,6 +95,8 @@ class RayExecutor:
             block pool is sized with it.
         workers: actor handles, index = rank.
         actor_ids: the workers' Ray actor ids, index = rank.
+        actor_names: the workers' actor names, index = rank: `pagedray-<engine>-rank<r>`, as
+            the Ray dashboard's Actors page shows them.
         dispatch: the dispatch path in use (pipes fall back to the compiled graph when this
             process is not on the workers' node).
     """
@@ -153,13 +156,16 @@ class RayExecutor:
     def _start_workers(self) -> None:
         cfg = self.worker_config
         num_gpus = 1 if self.placement.use_gpu else 0
+        engine = _engine_label()
+        self.actor_names = [f"pagedray-{engine}-rank{r}" for r in range(cfg.tensor_parallel_size)]
         self.workers = [
             WorkerActor.options(
+                name=name,
                 num_cpus=1,
                 num_gpus=num_gpus,
                 scheduling_strategy=self.placement.scheduling_strategy(rank),
             ).remote()
-            for rank in range(cfg.tensor_parallel_size)
+            for rank, name in enumerate(self.actor_names)
         ]
         self.actor_ids = ray.get([w.get_actor_id.remote() for w in self.workers])
         init_method = None
@@ -212,6 +218,18 @@ def _rank_config(config: WorkerConfig, use_gpu: bool) -> WorkerConfig:
     # NOTE: each rank holds one logical CPU of the group; more threads than that oversubscribe
     # the node's cores (two ranks of two threads on two cores run matmuls many times slower).
     return dataclasses.replace(config, device="cpu", num_threads=config.num_threads or 1)
+
+
+def _engine_label() -> str:
+    """Which engine the ranks belong to, for their actor names: the Serve engine replica's id
+    (as the dashboard lists the replica), else a fresh id (an offline `LLM`). Unique while the
+    ranks live, as a named actor's name must be."""
+    try:
+        from ray import serve
+
+        return f"replica-{serve.get_replica_context().replica_id.unique_id}"
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return f"llm-{uuid.uuid4().hex[:8]}"
 
 
 def _wait_until_dead(workers: list[ActorHandle]) -> None:

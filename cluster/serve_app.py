@@ -10,7 +10,8 @@ from typing import Any
 
 from ray.serve import Application
 
-from pagedray.cluster.engine_deployment import engine_deployment
+from pagedray.cluster.engine_autoscaling import engine_autoscaling_config
+from pagedray.cluster.engine_deployment import DRAIN_POLL_S, drain_timeout_s, engine_deployment
 from pagedray.engine.config import EngineConfig
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -32,6 +33,7 @@ APP_ARGS = (
     "health_check_period_s",
     "ingress_num_cpus",
     "routing",
+    "routing_load_threshold",
 )
 ROUTINGS = ("cache-aware", "power-of-two")
 
@@ -49,6 +51,7 @@ def build_openai_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     api_key_sha256: str | None = None,
     routing: str | None = None,
+    routing_load_threshold: int | None = None,
 ) -> Application:
     """The ingress bound to `num_replicas` engines (or an autoscaled range of them).
 
@@ -57,7 +60,9 @@ def build_openai_app(
     Only the API key's SHA-256 (`api_key_sha256`, or computed from `api_key`) is passed on.
     `routing` (default cache-aware when there may be several engines caching prefixes, else
     power-of-two):
-    cache-aware has the engines publish their prefix caches and the ingress follow them.
+    cache-aware has the engines publish their prefix caches and the ingress follow them;
+    `routing_load_threshold` (default `DEFAULT_LOAD_THRESHOLD`) is how many more ongoing
+    requests than the lightest replica's the best-matching one may have and still be chosen.
     """
     max_engines = (autoscaling_config or {}).get("max_replicas", num_replicas)
     several = max_engines > 1 and config.enable_prefix_caching
@@ -77,6 +82,10 @@ def build_openai_app(
         options = {"autoscaling_config": autoscaling_config}
     if health_check_period_s is not None:
         options["health_check_period_s"] = health_check_period_s
+    if routing_load_threshold is not None:
+        if routing_load_threshold < 0:
+            raise ValueError(f"routing_load_threshold: must be >= 0, got {routing_load_threshold}")
+        options["routing_load_threshold"] = routing_load_threshold
     engine_kwargs: dict[str, Any] = {"engine_builder": engine_builder}
     if stuck_after_s is not None:
         engine_kwargs["stuck_after_s"] = stuck_after_s
@@ -84,7 +93,11 @@ def build_openai_app(
 
     engine = engine_deployment(config, **options).bind(config.model_dump(), **engine_kwargs)
     ingress = OpenAIIngress.options(
-        num_replicas=num_ingress_replicas, ray_actor_options={"num_cpus": ingress_num_cpus}
+        num_replicas=num_ingress_replicas,
+        ray_actor_options={"num_cpus": ingress_num_cpus},
+        # An ingress replica being replaced drains as the engines do: its streams run through it.
+        graceful_shutdown_timeout_s=drain_timeout_s(config),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )
     return ingress.bind(engine, config.model_dump(), *astuple(guard))
 
@@ -93,7 +106,8 @@ def build_app(args: dict[str, Any]) -> Application:
     """Serve's app builder: `serve run pagedray.cluster.openai_app:build_app model=... key=value`.
 
     Keys are `EngineConfig` fields (strings are coerced) plus `APP_ARGS`; `min_replicas` and
-    `max_replicas` turn on autoscaling. Without `model`, the default model is built and served.
+    `max_replicas` turn on autoscaling, on the engines' running and waiting sequences and KV cache
+    usage (`EngineAutoscalingPolicy`). Without `model`, the default model is built and served.
     The API key is `api_key`, or the stripped content of `api_key_file`, or given only as its
     hex SHA-256 (`api_key_sha256`), so a config file need not hold the key itself.
     """
@@ -110,7 +124,8 @@ def build_app(args: dict[str, Any]) -> Application:
     if "min_replicas" in app_args or "max_replicas" in app_args:
         low = int(app_args.pop("min_replicas", 1))
         high = int(app_args.pop("max_replicas", max(low, 1)))
-        autoscaling_config = {"min_replicas": low, "max_replicas": high}
+        # On the engines' own load: sequences and KV cache (cluster/engine_autoscaling.py).
+        autoscaling_config = engine_autoscaling_config(low, high, config.max_num_seqs)
     return build_openai_app(
         config,
         num_replicas=int(app_args.get("num_replicas", 1)),
@@ -124,8 +139,13 @@ def build_app(args: dict[str, Any]) -> Application:
             app_args.get("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
         ),
         routing=app_args.get("routing"),
+        routing_load_threshold=_int_or_none(app_args.get("routing_load_threshold")),
     )
 
 
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)

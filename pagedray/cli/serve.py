@@ -60,6 +60,13 @@ def add_serve_parser(commands: Any) -> None:
         help="how requests pick an engine: by its cached prefix (default with several) or load",
     )
     parser.add_argument(
+        "--routing-load-threshold",
+        type=int,
+        default=None,
+        help="cache-aware: ongoing requests by which the best-matching engine may exceed the "
+        "least loaded and still be chosen (default 32)",
+    )
+    parser.add_argument(
         "--max-num-waiting",
         type=int,
         default=None,
@@ -157,6 +164,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "routing": args.routing,
+        "routing_load_threshold": args.routing_load_threshold,
         "max_request_body_bytes": args.max_request_body_bytes,
         **_api_key_args(args),
     }
@@ -203,6 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray.serve.api import _run
 
     from pagedray.cluster.openai_app import build_app
+    from pagedray.observability.ray_grafana import provision_for_this_ray_session
     from pagedray.tools.default_model import default_model_path
 
     app_args.setdefault("model", str(default_model_path()))
@@ -235,6 +244,9 @@ def run_serve(args: argparse.Namespace) -> int:
         serving = True
         url = f"http://{_url_host(args.host)}:{args.port}/v1"
         print(f"pagedray: serving the OpenAI API at {url} (model {model_name!r})", flush=True)
+        # The ingress writes it where it runs; this covers a head that holds no ingress.
+        if (dashboard := provision_for_this_ray_session()) is not None:
+            print(f"pagedray: Grafana dashboard for Ray's Grafana: {dashboard}", flush=True)
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

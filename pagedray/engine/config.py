@@ -6,6 +6,7 @@ returns them and the scheduler is built with them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +57,10 @@ class EngineConfig(BaseModel):
     # A streamed request gets a message once this many tokens have accumulated (the first token
     # and the finish at once), as vLLM's --stream-interval: fewer, larger messages through Serve.
     stream_interval: int = Field(1, ge=1)
+
+    def served_name(self) -> str:
+        """The name clients send as `model` and every metric's `model_name` tag."""
+        return self.served_model_name or Path(self.model).name
 
     def resolved_max_model_len(self) -> int:
         """The model's context limit, lowered by `max_model_len` and any sliding window."""

@@ -28,6 +28,7 @@ COUNTERS = (
     "ray_pagedray_generation_tokens_total",
     "ray_pagedray_request_success_total",  # tag finished_reason
     "ray_pagedray_http_requests_total",  # the ingress's; tags route, status
+    "ray_pagedray_routed_requests_total",  # the engine router's (in the ingress); replica, reason
 )
 HISTOGRAMS = (
     "ray_pagedray_time_to_first_token_seconds",
@@ -37,6 +38,7 @@ HISTOGRAMS = (
     "ray_pagedray_step_time_seconds",
     "ray_pagedray_batch_size",
     "ray_pagedray_http_request_latency_seconds",  # the ingress's; tag route
+    "ray_pagedray_routing_matched_blocks",  # the engine router's
 )
 METRIC_NAMES = GAUGES + COUNTERS + HISTOGRAMS
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -222,6 +224,39 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "Request received to response sent (a stream's last chunk), per route.",
         _quantile_exprs("ray_pagedray_http_request_latency_seconds", (0.5, 0.99), ("route",)),
     ),
+    (
+        "Routed requests per engine replica",
+        "reqps",
+        "Generation calls the router sent to each engine replica per second.",
+        [
+            (
+                f"sum by (model_name, replica) ({_rate('ray_pagedray_routed_requests_total')})",
+                "{{replica}} {{model_name}}",
+            ),
+        ],
+    ),
+    (
+        "Routing decisions",
+        "reqps",
+        "Why calls went where they did: prefix_match (the replica caching most of the prompt), "
+        "load_fallback (the best match too loaded), no_match (nothing cached anywhere), "
+        "load_only (nothing to match: one engine or power-of-two routing).",
+        [
+            (
+                f"sum by (model_name, reason) ({_rate('ray_pagedray_routed_requests_total')})",
+                "{{reason}} {{model_name}}",
+            ),
+        ],
+    ),
+    (
+        "Matched prefix blocks per routed request",
+        "short",
+        "Leading KV blocks of a prompt that the replica it was routed to caches.",
+        [
+            _mean_expr("ray_pagedray_routing_matched_blocks"),
+            *_quantile_exprs("ray_pagedray_routing_matched_blocks", (0.5, 0.9)),
+        ],
+    ),
 ]
 
 
@@ -304,7 +339,8 @@ def build_dashboard() -> dict[str, Any]:
     return {
         "uid": DASHBOARD_UID,
         "title": "pagedray",
-        "description": "pagedray LLM serving: throughput, latency, KV cache, scheduler, HTTP.",
+        "description": "pagedray LLM serving: throughput, latency, KV cache, scheduler, HTTP, "
+        "routing.",
         "tags": ["pagedray", "llm", "ray"],
         "timezone": "browser",
         "editable": True,

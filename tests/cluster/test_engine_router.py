@@ -9,9 +9,13 @@ from typing import Any
 
 import pytest
 
-from pagedray.cluster import engine_router
-from pagedray.cluster.engine_router import EngineRequestRouter
-from pagedray.cluster.kv_views import KVViews
+from pagedray.cluster import engine_router, kv_views
+from pagedray.cluster.engine_router import (
+    ROUTING_DECISION_KEY,
+    EngineRequestRouter,
+    RoutingDecision,
+)
+from pagedray.cluster.kv_views import ROUTING_HASHES_KEY, KVViews
 
 H = [bytes([i]) * 8 for i in range(4)]
 
@@ -30,7 +34,7 @@ class QueueLengths(dict):
 @pytest.fixture
 def views(monkeypatch: pytest.MonkeyPatch) -> KVViews:
     views = KVViews()
-    monkeypatch.setattr(engine_router, "KV_VIEWS", views)
+    monkeypatch.setattr(kv_views, "KV_VIEWS", views)
     return views
 
 
@@ -51,21 +55,51 @@ def test_only_leading_blocks_count(views: KVViews) -> None:
 def test_the_longest_match_goes_first(views: KVViews) -> None:
     a, b, c = _replica("a"), _replica("b"), _replica("c")
     views.by_replica = {"a": {H[0]}, "b": {H[0], H[1]}, "c": {H[0], H[1]}}
-    ranked = _router({"a": 0, "b": 3, "c": 1})._by_cached_prefix([a, b, c], H)
+    ranked, decision = _router({"a": 0, "b": 3, "c": 1})._by_cached_prefix([a, b, c], H)
     assert ranked == [[b, c], [a]]  # ties go together: Serve takes the less loaded of them
+    assert decision == RoutingDecision("prefix_match", {"a": 1, "b": 2, "c": 2})
 
 
 def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     a, b = _replica("a"), _replica("b")
     views.by_replica = {"a": {H[0], H[1]}, "b": set()}
-    assert _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]
-    assert _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H) == []
-    assert _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]]) == []
+    ranked, decision = _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
+    assert ranked == [[a], [b]] and decision.reason == "prefix_match"
+    ranked, decision = _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
+    assert ranked == [] and decision == RoutingDecision("load_fallback", {"a": 2, "b": 0})
+    ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]])
+    assert ranked == [] and decision == RoutingDecision("no_match", {"a": 0, "b": 0})
 
 
 def test_an_unknown_load_is_not_taken_for_idle(views: KVViews) -> None:
     """Serve forgets a count after 10 s: neither side of the comparison may read it as 0."""
     a, b = _replica("a"), _replica("b")
     views.by_replica = {"a": {H[0]}, "b": set()}
-    assert _router({"b": 9}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]
-    assert _router({"a": 9}, threshold=4)._by_cached_prefix([a, b], H) == [[a], [b]]
+    assert _router({"b": 9}, threshold=4)._by_cached_prefix([a, b], H)[0] == [[a], [b]]
+    assert _router({"a": 9}, threshold=4)._by_cached_prefix([a, b], H)[0] == [[a], [b]]
+
+
+def test_the_decision_is_told_for_the_replica_that_took_the_call() -> None:
+    matched = {"a": 3, "b": 1}
+    assert RoutingDecision("prefix_match", matched).for_replica("a") == ("prefix_match", 3)
+    # Serve went to the second rank (the best were full): a fallback, not a match.
+    assert RoutingDecision("prefix_match", matched).for_replica("b") == ("load_fallback", 1)
+    assert RoutingDecision("load_fallback", matched).for_replica("b") == ("load_fallback", 1)
+    assert RoutingDecision("no_match", {"a": 0}).for_replica("new") == ("no_match", 0)
+    assert RoutingDecision("load_only").for_replica("a") == ("load_only", None)
+
+
+def test_a_routed_call_is_counted_once_and_its_decision_never_sent(views: KVViews) -> None:
+    """The decision rides in the request dict from ranking to the replica that takes it."""
+    recorded: list[tuple[str, str, int | None]] = []
+    router = _router({"a": 0, "b": 0})
+    router.metrics = SimpleNamespace(record=lambda *call: recorded.append(call))  # type: ignore[assignment]
+    views.by_replica = {"a": {H[0], H[1]}, "b": {H[0]}}
+    request: dict[str, Any] = {"prompt_token_ids": [1], ROUTING_HASHES_KEY: H}
+    pending = SimpleNamespace(args=[request], kwargs={})
+    _, decision = router._by_cached_prefix([_replica("a"), _replica("b")], H)
+    engine_router._keep_decision(pending, decision)  # type: ignore[arg-type]
+    router._record_decision(pending, "b")  # type: ignore[arg-type]
+    router._record_decision(pending, "b")  # type: ignore[arg-type]  # no second count
+    assert recorded == [("b", "load_fallback", 1)]
+    assert ROUTING_DECISION_KEY not in request

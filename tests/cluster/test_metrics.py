@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from pagedray.cli.serve import add_serve_parser
-from pagedray.cluster.metrics import EngineMetrics, IngressMetrics
+from pagedray.cluster.metrics import EngineMetrics, IngressMetrics, RouterMetrics
 from pagedray.engine import async_engine
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
@@ -90,7 +90,8 @@ def _prompts(tokenizer: Any) -> list[list[int]]:
 
 
 def _exported_names() -> list[str]:
-    return EngineMetrics("m").prometheus_names() + IngressMetrics("m").prometheus_names()
+    metrics = (EngineMetrics("m"), IngressMetrics("m"), RouterMetrics("m"))
+    return [name for group in metrics for name in group.prometheus_names()]
 
 
 def test_exported_names_are_the_dashboards() -> None:
@@ -340,6 +341,8 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_batch_size",
     "ray_pagedray_http_requests_total",
     "ray_pagedray_http_request_latency_seconds",
+    "ray_pagedray_routed_requests_total",
+    "ray_pagedray_routing_matched_blocks",
 )
 
 

@@ -609,6 +609,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(
     prefix all land on the replica that cached it (power-of-two would spread ten over both)."""
     prefix = [(11 * i) % 80 + 9 for i in range(64)]  # four full blocks
     before = {r["replica_id"]: r["prefix_cache_hits"] for r in _stats(main_url)}
+    routed_before = _routed_series()
     client.completions.create(model=MODEL, prompt=[*prefix, 1], max_tokens=1)
     time.sleep(1.0)  # the ingress follows the engines' KV deltas as they step
     for suffix in range(2, 12):
@@ -617,6 +618,43 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(
         r["replica_id"]: r["prefix_cache_hits"] - before[r["replica_id"]] for r in _stats(main_url)
     }
     assert sorted(hits.values()) == [0, 10 * len(prefix)], hits
+    # The router's metrics say the same: ten prefix matches of 4 blocks, all to that replica.
+    (cached_on,) = [replica for replica, hit in hits.items() if hit]
+    key = f"ray_pagedray_routed_requests_total{{{cached_on},prefix_match}}"
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+    while (routed := _routed_series()).get(key, 0) - routed_before.get(key, 0) < 10:
+        assert time.monotonic() < deadline, routed
+        time.sleep(1.0)
+
+    def three_or_four_blocks(series: dict[str, float]) -> float:
+        bucket = "ray_pagedray_routing_matched_blocks_bucket{le=%s}"
+        return series.get(bucket % 4.0, 0.0) - series.get(bucket % 2.0, 0.0)
+
+    assert three_or_four_blocks(routed) - three_or_four_blocks(routed_before) >= 10
+
+
+def _routed_series() -> dict[str, float]:
+    """Ray's Prometheus endpoint: the engine router's series of MODEL, summed over processes:
+    `name{replica,reason}` for the counter, `name{le=...}` for the histogram's buckets."""
+    import ray
+
+    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            routers = ("ray_pagedray_routed_", "ray_pagedray_routing_")
+            if labels.get("model_name") != MODEL or not family.name.startswith(routers):
+                continue
+            if "reason" in labels:
+                key = f"{sample.name}{{{labels['replica']},{labels['reason']}}}"
+            elif "le" in labels:
+                key = f"{sample.name}{{le={float(labels['le'])}}}"
+            else:
+                continue
+            values[key] = values.get(key, 0.0) + sample.value
+    return values
 
 
 # ---- the limited app: API key, waiting-queue bound, stream interval ------------------------

@@ -244,6 +244,8 @@ def test_pipe_dispatch_reports_a_dead_rank_and_a_shutdown_mid_step(ray_cluster):
 
 def test_single_rank_as_ray_actor_matches_in_process(ray_cluster, tiny_llama):
     """The serving path runs even TP=1 as a Ray actor (`use_ray_workers`)."""
+    import ray
+
     prompts = _prompts()
     in_process = LLM(tiny_llama, dtype="float32")
     expected = _generate(in_process, prompts)
@@ -252,6 +254,10 @@ def test_single_rank_as_ray_actor_matches_in_process(ray_cluster, tiny_llama):
     try:
         assert isinstance(llm.executor, RayExecutor) and len(llm.executor.workers) == 1
         assert _generate(llm, prompts) == expected
+        # Named for the dashboard's Actors page: which engine, which rank.
+        (name,) = llm.executor.actor_names
+        assert name.startswith("pagedray-llm-") and name.endswith("-rank0")
+        assert ray.get_actor(name)._actor_id.hex() == llm.executor.actor_ids[0]
     finally:
         llm.shutdown()
 

@@ -1,7 +1,8 @@
 """`pagedray serve` as clients and operators see its API port (issue P6), with direct ingress:
 `/metrics` in Prometheus text without the API key, OpenAI's 404 for an unknown path, vLLM's 400
 for a max_tokens that cannot fit, and logs that hold one access line per request in the ingress,
-no traceback for a stream its client dropped, and no per-call line of the engine at INFO.
+no traceback for a stream its client dropped, and no per-call line of the engine at INFO; the
+engine's torch threads (a core left to the serving path) and the dashboard in Ray's Grafana.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import httpx
 from _subprocesses import ServeProcess, pagedray_serve
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedray.observability.grafana_dashboard import dashboard_json
+from pagedray.observability.ray_grafana import DASHBOARD_FILE
 from pagedray.workers.cpu_threads import serving_threads_per_rank
 
 KEY = "sk-api-port-test"
@@ -101,6 +104,11 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         assert whole.json()["usage"]["completion_tokens"] == 4
         replicas = client.get("/stats").json()["replicas"]
         assert [replica["num_threads"] for replica in replicas] == [serving_threads_per_rank(1)]
+        # The dashboard lies where the Grafana of Ray's session loads Ray's own dashboards.
+        grafana = (server.ray_tmp / "session_latest" / "metrics" / "grafana").resolve()
+        assert (grafana / "dashboards" / DASHBOARD_FILE).read_text() == dashboard_json()
+        provider = (grafana / "provisioning" / "dashboards" / "default.yml").read_text()
+        assert f"path: {grafana / 'dashboards'}" in provider
 
         # The same series names as Ray's export port, so one dashboard reads either.
         exported = _exported_families(server)

@@ -405,3 +405,13 @@ def test_routing_reaches_the_app_only_when_set(chart: helm.Chart) -> None:
     assert _serve_application(_rayservice(render(chart, values))).args["routing"] == "power-of-two"
     with pytest.raises(helm.HelmError, match="routing"):
         render(chart, _merge(TP4_X2, {"engine": {"routing": "random"}}))
+
+
+def test_routing_load_threshold_reaches_the_app_only_when_set(chart: helm.Chart) -> None:
+    default_args = _serve_application(_rayservice(render(chart, TP4_X2))).args
+    assert "routing_load_threshold" not in default_args
+    values = _merge(TP4_X2, {"engine": {"routingLoadThreshold": 8}})
+    args = _serve_application(_rayservice(render(chart, values))).args
+    assert args["routing_load_threshold"] == 8
+    with pytest.raises(helm.HelmError, match="routingLoadThreshold"):
+        render(chart, _merge(TP4_X2, {"engine": {"routingLoadThreshold": -1}}))

@@ -88,6 +88,9 @@ app.kubernetes.io/part-of: pagedray
 {{- if not (kindIs "invalid" $e.routing) -}}
 {{- $_ := set $args "routing" $e.routing -}}
 {{- end -}}
+{{- if not (kindIs "invalid" $e.routingLoadThreshold) -}}
+{{- $_ := set $args "routing_load_threshold" (int $e.routingLoadThreshold) -}}
+{{- end -}}
 {{- if not (kindIs "invalid" $e.maxModelLen) -}}
 {{- $_ := set $args "max_model_len" (int $e.maxModelLen) -}}
 {{- end -}}

@@ -1,0 +1,33 @@
+"""pagedray's dashboard written where Ray's provisioned Grafana loads its own. That
+`pagedray serve` does it is checked in tests/deploy/test_serve_api_port.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagedray.observability.grafana_dashboard import DASHBOARD_UID, dashboard_json
+from pagedray.observability.ray_grafana import (
+    DASHBOARD_FILE,
+    provision_dashboard,
+    ray_dashboards_folder,
+)
+
+
+def test_written_into_an_existing_folder_whole_and_readable(tmp_path: Path) -> None:
+    folder = ray_dashboards_folder(tmp_path, "session_x")
+    assert folder == tmp_path / "session_x" / "metrics" / "grafana" / "dashboards"
+    folder.mkdir(parents=True)
+    (folder / DASHBOARD_FILE).write_text("stale")
+    path = provision_dashboard(folder)
+    assert path == folder / DASHBOARD_FILE
+    assert path.read_text() == dashboard_json()
+    assert json.loads(path.read_text())["uid"] == DASHBOARD_UID
+    assert path.stat().st_mode & 0o777 == 0o644  # Grafana may run as another user
+    assert [p.name for p in folder.iterdir()] == [DASHBOARD_FILE]  # no staging file left
+
+
+def test_nothing_where_ray_provisions_no_grafana(tmp_path: Path) -> None:
+    folder = ray_dashboards_folder(tmp_path, "session_x")
+    assert provision_dashboard(folder) is None
+    assert not folder.exists()
