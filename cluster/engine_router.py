@@ -116,7 +116,8 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         hashes = _routing_hashes(pending_request)
         ranked: list[list[RunningReplica]] = []
         decision = RoutingDecision("load_only")
-        if hashes and len(candidate_replicas) > 1:
+        if hashes is not None and len(candidate_replicas) > 1:
+            # A prompt shorter than a block has no hashes: nothing of it can be cached.
             ranked, decision = self._by_cached_prefix(candidate_replicas, hashes)
         _keep_decision(pending_request, decision)
         if ranked:
@@ -132,7 +133,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         ids = [r.replica_id.unique_id for r in replicas]
         matched = [kv_views.KV_VIEWS.matched_blocks(replica_id, hashes) for replica_id in ids]
         by_id = dict(zip(ids, matched))
-        best = max(matched)
+        best = max(matched, default=0)
         if best == 0:
             return [], RoutingDecision("no_match", by_id)
         # Serve's cached ongoing-request counts; None once stale (10 s): unknown, not idle.
@@ -200,11 +201,12 @@ def _keep_decision(pending_request: PendingRequest | None, decision: RoutingDeci
             request[ROUTING_DECISION_KEY] = decision
 
 
-def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes]:
+def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes] | None:
+    """The call's routing hashes; None when the ingress gave none (not cache-aware)."""
     if pending_request is None or not pending_request.args:
-        return []
+        return None
     request = pending_request.args[0]
-    return (request.get(ROUTING_HASHES_KEY) or []) if isinstance(request, dict) else []
+    return request.get(ROUTING_HASHES_KEY) if isinstance(request, dict) else None
 
 
 def addressed_replica(pending_request: PendingRequest | None) -> str | None:

@@ -69,6 +69,9 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     assert ranked == [] and decision == RoutingDecision("load_fallback", {"a": 2, "b": 0})
     ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]])
     assert ranked == [] and decision == RoutingDecision("no_match", {"a": 0, "b": 0})
+    # A prompt shorter than a block: no hashes, nothing to find.
+    ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [])
+    assert ranked == [] and decision == RoutingDecision("no_match", {"a": 0, "b": 0})
 
 
 def test_an_unknown_load_is_not_taken_for_idle(views: KVViews) -> None:

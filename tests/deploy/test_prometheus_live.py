@@ -88,7 +88,8 @@ def server(workdir: Path, tiny_llama: str, prometheus_bin: str) -> Iterator[dict
     # re-records them every second, idle or not).
     env = {"RAY_metrics_report_interval_ms": "1000"}
     flags = ["--served-model-name", MODEL, "--num-kv-blocks", "64"]
-    flags += ["--num-threads", "1", "--device", "cpu"]
+    # Two engines: requests are then routed by prefix, so the routing series exist too.
+    flags += ["--num-threads", "1", "--device", "cpu", "--num-replicas", "2"]
     with pagedray_serve(
         tiny_llama, *flags, workdir=workdir, env=env, start_timeout_s=START_TIMEOUT_S
     ) as serving:
