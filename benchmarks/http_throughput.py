@@ -285,9 +285,16 @@ class Server:
     """`pagedray serve` in a session of its own, with its own local Ray, logging to a file."""
 
     def __init__(
-        self, path: str, threads: int | None, tp: int, log_dir: Path, stream_interval: int = 1
+        self,
+        path: str,
+        threads: int | None,
+        tp: int,
+        log_dir: Path,
+        stream_interval: int = 1,
+        extra_flags: tuple[str, ...] = (),
     ) -> None:
-        """`threads` None: the server's own default (workers/cpu_threads.py)."""
+        """`threads` None: the server's own default (workers/cpu_threads.py); `extra_flags` go
+        to `pagedray serve` as they are."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         executable = Path(sys.executable).with_name("pagedray")
@@ -308,6 +315,7 @@ class Server:
         ]
         if threads is not None:
             command += ["--num-threads", str(threads)]
+        command += extra_flags
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
         self.log_path = log_dir / f"serve_tp{tp}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

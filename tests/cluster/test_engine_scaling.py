@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from slow_engine import slow_engine_builder
 
 from pagedray.cluster.engine_autoscaling import engine_autoscaling_config
 
@@ -29,24 +30,6 @@ def _app(tiny_llama: str, **options: Any) -> Any:
     from pagedray.cluster.openai_app import build_openai_app
     from pagedray.engine.config import EngineConfig
 
-    step_sleep_s = STEP_SLEEP_S
-
-    def slow_builder(config: Any) -> tuple[Any, Any, Any, Any]:
-        """A nested function, so that Ray pickles it by value (a test module is no package)."""
-        import time
-
-        from pagedray.engine.engine_factory import build_engine
-
-        engine, executor, tokenizer, validator = build_engine(config)
-        execute_model = executor.execute_model
-
-        def slow_execute_model(scheduler_output: Any) -> Any:
-            time.sleep(step_sleep_s)
-            return execute_model(scheduler_output)
-
-        executor.execute_model = slow_execute_model
-        return engine, executor, tokenizer, validator
-
     config = EngineConfig(
         model=tiny_llama,
         served_model_name=MODEL,
@@ -55,7 +38,8 @@ def _app(tiny_llama: str, **options: Any) -> Any:
         max_num_seqs=MAX_NUM_SEQS,
         request_timeout_s=120,
     )
-    return build_openai_app(config, ingress_num_cpus=0.1, engine_builder=slow_builder, **options)
+    builder = slow_engine_builder(STEP_SLEEP_S)
+    return build_openai_app(config, ingress_num_cpus=0.1, engine_builder=builder, **options)
 
 
 def _replicas(url: str) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import pickle
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import openai
@@ -376,8 +376,9 @@ def test_metrics_on_the_api_port(main_url: str) -> None:
     assert "/metrics" not in httpx.get(f"{main_url}/openapi.json").json()["paths"]
 
 
-def _ingress_series() -> dict[str, float]:
-    """Ray's Prometheus endpoint: the ingress's series of MODEL, `name{route,status}` → value."""
+def _exported_series(key_of: Callable[[str, dict[str, str]], str | None]) -> dict[str, float]:
+    """Ray's Prometheus endpoint: MODEL's samples, summed by `key_of(name, labels)` over
+    replicas and processes (a sample whose key is None is left out)."""
     import ray
 
     port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
@@ -385,12 +386,21 @@ def _ingress_series() -> dict[str, float]:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = sample.labels
-            if labels.get("model_name") != MODEL or "route" not in labels or "le" in labels:
-                continue
-            key = f"{sample.name}{{{labels['route']},{labels.get('status', '')}}}"
-            values[key] = values.get(key, 0.0) + sample.value  # summed over replicas
+            key = key_of(sample.name, sample.labels)
+            if sample.labels.get("model_name") == MODEL and key is not None:
+                values[key] = values.get(key, 0.0) + sample.value
     return values
+
+
+def _ingress_series() -> dict[str, float]:
+    """The ingress's series, `name{route,status}` → value."""
+
+    def key_of(name: str, labels: dict[str, str]) -> str | None:
+        if "route" not in labels or "le" in labels:
+            return None
+        return f"{name}{{{labels['route']},{labels.get('status', '')}}}"
+
+    return _exported_series(key_of)
 
 
 def test_ingress_counts_answers_by_status(main_url: str) -> None:
@@ -634,27 +644,17 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(
 
 
 def _routed_series() -> dict[str, float]:
-    """Ray's Prometheus endpoint: the engine router's series of MODEL, summed over processes:
-    `name{replica,reason}` for the counter, `name{le=...}` for the histogram's buckets."""
-    import ray
+    """The engine router's series: `name{replica,reason}` for the counter, `name{le=...}` for
+    the histogram's buckets."""
 
-    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            routers = ("ray_pagedray_routed_", "ray_pagedray_routing_")
-            if labels.get("model_name") != MODEL or not family.name.startswith(routers):
-                continue
-            if "reason" in labels:
-                key = f"{sample.name}{{{labels['replica']},{labels['reason']}}}"
-            elif "le" in labels:
-                key = f"{sample.name}{{le={float(labels['le'])}}}"
-            else:
-                continue
-            values[key] = values.get(key, 0.0) + sample.value
-    return values
+    def key_of(name: str, labels: dict[str, str]) -> str | None:
+        if not name.startswith(("ray_pagedray_routed_", "ray_pagedray_routing_")):
+            return None
+        if "reason" in labels:
+            return f"{name}{{{labels['replica']},{labels['reason']}}}"
+        return f"{name}{{le={float(labels['le'])}}}" if "le" in labels else None
+
+    return _exported_series(key_of)
 
 
 # ---- the limited app: API key, waiting-queue bound, stream interval ------------------------

@@ -1,0 +1,183 @@
+"""A node failure under Serve, on a simulated multi-node Ray (`ray.cluster_utils.Cluster`), run by
+test_multi_node.py in a process of its own (it cannot share the test session's Ray).
+
+A head node with no CPUs (Serve's controller, proxy and the ingress) and two worker nodes of
+one CPU each, so that each engine replica's STRICT_PACK group lands on a node of its own. With
+streams running on both engines, one worker node is removed the hard way (its raylet and
+workers killed): what happened to each stream, /health, and the replacement once a node with
+room joins, is printed as one JSON line for the test to judge.
+
+    python tests/deploy/_multi_node_scenario.py MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for slow_engine
+from slow_engine import slow_engine_builder  # noqa: E402
+
+STREAMS = 6
+MAX_TOKENS = 300
+STEP_SLEEP_S = 0.05  # a stream lasts about 15 s, so the node dies while they run
+TIMEOUT_S = 120.0
+
+
+def _stream(url: str, index: int, results: list[dict[str, Any]]) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": f"stream number {index}",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    outcome: dict[str, Any] = {"index": index, "tokens": 0, "error_code": None, "ended": None}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+            outcome["status"] = response.status_code
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    outcome["error_code"] = chunk["error"].get("code")
+                if chunk.get("usage"):
+                    outcome["tokens"] = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        outcome["error_code"] = repr(exc)
+    outcome["ended"] = time.monotonic()
+    results.append(outcome)
+
+
+def _wait(what: str, check: Any, timeout_s: float = TIMEOUT_S) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _engine_nodes() -> dict[str, str]:
+    """Each live engine replica's id and the node it runs on (Ray's actor table)."""
+    from ray._private import state
+
+    nodes = {}
+    for actor in state.actors().values():
+        name = actor.get("Name") or ""
+        if "#PagedRayEngine#" in name and actor.get("State") == "ALIVE":
+            nodes[name.rsplit("#", 1)[1]] = actor["Address"]["NodeID"]
+    return nodes
+
+
+def _ingress_node() -> str:
+    from ray._private import state
+
+    (node,) = [
+        actor["Address"]["NodeID"]
+        for actor in state.actors().values()
+        if "#OpenAIIngress#" in (actor.get("Name") or "") and actor.get("State") == "ALIVE"
+    ]
+    return node
+
+
+def main(model: str) -> None:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from pagedray.cluster.openai_app import build_openai_app
+    from pagedray.engine.config import EngineConfig
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    ray.init(address=cluster.address)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        config = EngineConfig(
+            model=model, served_model_name="tiny", num_kv_blocks=64, num_threads=1,
+            use_ray_workers=False,
+        )  # fmt: skip
+        app = build_openai_app(
+            config, num_replicas=2, engine_builder=slow_engine_builder(STEP_SLEEP_S)
+        )
+        serve.run(app, name="multinode", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        report: dict[str, Any] = {}
+        engine_nodes = _engine_nodes()
+        report["engine_nodes"] = sorted(engine_nodes.values())
+        report["worker_nodes"] = sorted(node.node_id for node in workers)
+        ingress_node = _ingress_node()
+
+        results: list[dict[str, Any]] = []
+        threads = [
+            threading.Thread(target=_stream, args=(url, i, results), daemon=True)
+            for i in range(STREAMS)
+        ]
+        for thread in threads:
+            thread.start()
+
+        def running() -> dict[str, int]:
+            stats = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
+            return {r["replica_id"]: r["num_running"] for r in stats}
+
+        _wait("streams on both engines", lambda: sorted(running().values())[0] > 0)
+        # The victim: an engine's node that does not also hold the ingress.
+        victim_replica = next(r for r, n in engine_nodes.items() if n != ingress_node)
+        victim_node = next(w for w in workers if w.node_id == engine_nodes[victim_replica])
+        report["running_at_kill"] = running()
+        report["victim_replica"] = victim_replica
+        killed_at = time.monotonic()
+        cluster.remove_node(victim_node, allow_graceful=False)
+        report["health_503_after_s"] = _wait(
+            "/health 503", lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503
+        )
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        report["streams"] = [
+            {**outcome, "ended": outcome["ended"] - killed_at}
+            for outcome in sorted(results, key=lambda o: o["index"])
+        ]
+        # Room for the replacement: a node joins; Serve starts the engine there.
+        cluster.add_node(num_cpus=1)
+        report["replaced_after_s"] = _wait(
+            "a replacement engine",
+            lambda: len(httpx.get(f"{url}/stats", timeout=10).json().get("replicas", [])) == 2,
+            timeout_s=180,
+        )
+        report["health_200_after_s"] = _wait(
+            "/health 200", lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200
+        )
+        completion = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": "after", "max_tokens": 4},
+            timeout=60,
+        )
+        report["completion_after"] = completion.status_code
+        report["engine_nodes_after"] = sorted(_engine_nodes().values())
+        print("REPORT " + json.dumps(report), flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,66 @@
+"""A node of a multi-node Ray dies under load (issue P8): one engine per node, streams on both;
+the dead node's streams fail fast with 503, the other node's never notice, /health says so at
+once, and the engine is replaced once a node with room joins. The cluster is simulated
+(`ray.cluster_utils.Cluster`: several raylets on this machine) in a process of its own, run
+from `_multi_node_scenario.py`; every process it started is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _subprocesses import descendants, kill_all, start_time
+
+SCENARIO = Path(__file__).with_name("_multi_node_scenario.py")
+TIMEOUT_S = 480.0
+FAIL_FAST_S = 10.0  # from the kill to the end of a stream that was on the dead node
+
+
+def test_a_dead_node_fails_its_streams_fast_and_its_engine_is_replaced(tiny_llama: str) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="pdr-mn-", dir="/tmp"))
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(workdir), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    log_path = workdir / "scenario.log"
+    started: set[tuple[int, int]] = set()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(SCENARIO), tiny_llama], env=env, stdout=log, stderr=log
+        )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in descendants(proc.pid):  # remembered while they are ours to name
+                if (started_at := start_time(pid)) is not None:
+                    started.add((pid, started_at))
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        left = kill_all(started, 30)
+    output = log_path.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, output[-5000:]
+    assert not left, f"processes outlived the scenario: {left}"
+    report = json.loads(lines[-1][len("REPORT ") :])
+
+    # One engine per node, each on a worker node.
+    assert report["engine_nodes"] == report["worker_nodes"]
+    streams = report["streams"]
+    on_victim = report["running_at_kill"][report["victim_replica"]]
+    failed = [s for s in streams if s["tokens"] != 300]
+    whole = [s for s in streams if s["tokens"] == 300 and s["error_code"] is None]
+    # The dead node's streams: failed fast, with 503; the others: whole.
+    assert len(failed) == on_victim >= 1, streams
+    assert all(s["error_code"] == 503 and s["ended"] < FAIL_FAST_S for s in failed), streams
+    assert len(whole) == len(streams) - on_victim, streams
+    assert report["health_503_after_s"] < FAIL_FAST_S
+    # Replaced on the node that joined; serving again.
+    assert len(report["engine_nodes_after"]) == 2
+    assert report["completion_after"] == 200
