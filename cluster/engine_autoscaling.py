@@ -13,7 +13,7 @@ targets:
 
 Serve's wrapper then applies what the autoscaling config says (min and max replicas, up- and
 downscale delays and factors). A replica that has not reported yet counts as idle; with no report
-at all the policy holds the current count. A removed replica drains: Serve routes it nothing new
+at all the policy holds the target count. A removed replica drains: Serve routes it nothing new
 and waits for its calls, which the engine deployment's shutdown timeout lets finish (see
 `engine_deployment.drain_timeout_s`).
 """
@@ -61,7 +61,9 @@ class EngineAutoscalingPolicy:
     def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
         metrics = ctx.aggregated_metrics or {}
         if not metrics.get(RUNNING) and not metrics.get(KV_CACHE_USAGE):
-            return ctx.current_num_replicas, {}  # nothing reported yet: no reason to move
+            # Nothing reported yet: keep the target (not the count running, which during a
+            # scale-up is lower and would start Serve's downscale timer).
+            return ctx.target_num_replicas, {}
         return self.desired_replicas(metrics), {}
 
     def desired_replicas(self, metrics: dict[str, dict[Any, float]]) -> float:

@@ -11,6 +11,7 @@ resubscription's snapshot: a wrong guess costs one prefill, never a wrong answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import pickle
@@ -55,8 +56,9 @@ class KVViews:
         """The router's news (on whatever thread Serve runs it): the views follow at once, not
         at the next request, so that a new replica's cache is known before requests need it."""
         self.live_replica_ids = replica_ids
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.follow_live_replicas)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the replica is stopping
+                self._loop.call_soon_threadsafe(self.follow_live_replicas)
 
     def follow_live_replicas(self) -> None:
         """Start following new replicas and forget gone ones (on the ingress's event loop, which

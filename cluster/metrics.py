@@ -205,7 +205,8 @@ class IngressMetrics:
 
 class RouterMetrics:
     """The engine router's decisions, in each process that routes to the engines (the ingress
-    replicas): one call per routed generation, with the replica it went to and why.
+    replicas): one call per routed generation, with the replica it went to and why (a call that
+    Serve routes again, its replica having refused it or died, counts again).
 
     Reasons: `prefix_match` (a replica caching most of the prompt's leading blocks),
     `load_fallback` (the best match was too loaded, or full, so another took it), `no_match`

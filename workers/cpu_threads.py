@@ -10,7 +10,7 @@ and a lone request's 64 tokens in 154 ms against 136. vLLM's CPU build reserves 
 API and engine-core processes the same way (`VLLM_CPU_NUM_OF_RESERVED_CPU`, 1 by default).
 
 A serving rank without `num_threads` gets `serving_threads_per_rank`: the cores this process may
-use (its affinity, lowered by a cgroup's CPU quota, as a container's CPU limit sets), less
+use (its affinity, lowered by a cgroup's CPU quota, v2 or v1, as a container's CPU limit sets), less
 `RESERVED_SERVING_CORES`, split evenly among the ranks that share the node, at least one each.
 """
 
@@ -24,19 +24,31 @@ from pathlib import Path
 RESERVED_SERVING_CORES = 1
 # cgroup v2's CPU limit: "<quota> <period>" in microseconds, or "max <period>" for none.
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+# cgroup v1's: the quota (-1 for none) and the period, in microseconds, in two files.
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 
 
-def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX, cgroup_v1_cpu: Path = CGROUP_V1_CPU) -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
+    quota = _cgroup_quota(cpu_max, cgroup_v1_cpu)
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def _cgroup_quota(cpu_max: Path, cgroup_v1_cpu: Path) -> float | None:
+    """The CPU quota in cores (v2 first, then v1); None when there is none."""
     try:
         quota, period = cpu_max.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
-        return cores
-    if quota == "max":
-        return cores
-    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+        pass
+    try:
+        quota_us = int((cgroup_v1_cpu / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup_v1_cpu / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 def serving_threads_per_rank(ranks_on_node: int, cores: int | None = None) -> int:

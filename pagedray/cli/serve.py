@@ -174,11 +174,17 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
 def local_threads_per_rank(args: argparse.Namespace) -> int | None:
     """Torch threads per rank when every engine runs on this machine and the flags leave them
     to us: all its cores but one, split among all the engines' ranks (an engine replica alone
-    would count only its own ranks). None on a GPU or with --num-threads."""
+    would count only its own ranks). None with --device cuda or --num-threads."""
     if args.num_threads is not None or args.device == "cuda":
         return None
-    engines = args.max_replicas or args.num_replicas
-    return serving_threads_per_rank(engines * args.tensor_parallel_size)
+    return serving_threads_per_rank(_max_engines(args) * args.tensor_parallel_size)
+
+
+def _max_engines(args: argparse.Namespace) -> int:
+    """The most engines the flags may run: autoscaling's bound, else the fixed count."""
+    if args.max_replicas is not None:
+        return int(args.max_replicas)
+    return max(args.min_replicas or 0, args.num_replicas)
 
 
 def _api_key_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,9 +227,13 @@ def run_serve(args: argparse.Namespace) -> int:
     serving = False
 
     def on_signal(*_: Any) -> None:
-        stop.set()
-        if not serving:  # still starting: interrupt that; `finally` shuts down what started
+        # Still starting: interrupt that. Serving: the first signal stops gracefully (the
+        # engines drain their requests), a second one at once.
+        if not serving or stop.is_set():
+            stop.set()
             raise KeyboardInterrupt
+        stop.set()
+        print("pagedray: stopping once the requests in flight finish (again to stop now)")
 
     try:
         _start_ray(ray, args, local)
@@ -252,7 +262,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("pagedray: interrupted while starting", flush=True)
     finally:
-        _shut_down(local)
+        try:
+            _shut_down(local)
+        except KeyboardInterrupt:  # the second signal: Ray is shut down, the replicas with it
+            print("pagedray: stopped without waiting", flush=True)
     return 0
 
 
@@ -270,8 +283,7 @@ def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
     if not local:
         ray.init(address=args.address)
         return
-    engines = args.max_replicas or args.num_replicas
-    num_cpus = engines * (1 + args.tensor_parallel_size) + 1  # + the ingress
+    num_cpus = _max_engines(args) * (1 + args.tensor_parallel_size) + 1  # + the ingress
     metrics_host = args.metrics_host or args.host
     ray.init(
         address="local",

@@ -30,6 +30,7 @@ DIRECT_INGRESS_MAX_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
 DIRECT_INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 REQUEST_LOG_BUFFER_ENV = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
+FORCE_STOP_UNHEALTHY_ENV = "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"
 # Seconds between readiness polls while the app starts.
 READY_POLL_S = 0.1
 
@@ -43,6 +44,10 @@ def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
     # then preempts one of its threads, and the whole team stalls at the next barrier. At nice 0
     # the model keeps its share (+25% non-streamed throughput on 2 cores).
     env = {WORKER_NICENESS_ENV: "0"}
+    # NOTE: an engine replica drains for up to its requests' deadline when it is removed; one
+    # that failed its health check (a dead rank, a stuck step) has nothing left to finish, and
+    # would hold its placement group, so its replacement could not start: stop it at once.
+    env[FORCE_STOP_UNHEALTHY_ENV] = "1"
     if os.environ.get(THROUGHPUT_ENV, "1") == "0":
         return {key: value for key, value in env.items() if key not in os.environ}
     env[THROUGHPUT_ENV] = "1"

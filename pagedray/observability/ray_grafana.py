@@ -4,7 +4,9 @@ When Ray's head starts its dashboard, it writes Grafana's configuration into the
 folder (`<temp dir>/<session>/metrics/grafana/`): a `grafana.ini` and a file provider that loads
 every JSON in `dashboards/` into a folder named "Ray". A Grafana started with that ini, the one
 the Ray dashboard's Metrics view embeds, so shows any dashboard written there, with no upload.
-This writes pagedray's there (on the node whose session has that folder: the head).
+This writes pagedray's there (on the node whose session has that folder: the head), once, when
+the app starts: Ray's dashboard empties the folder when it (re)starts, after which the next
+ingress replica or `pagedray serve` writes it again.
 """
 
 from __future__ import annotations
@@ -19,11 +21,18 @@ from pagedray.observability.grafana_dashboard import dashboard_json
 logger = logging.getLogger(__name__)
 
 DASHBOARD_FILE = "pagedray_grafana_dashboard.json"  # as Ray names its own: <name>_grafana_...
+# Where Ray's dashboard writes them instead, when set (as its metrics head reads them).
+METRICS_OUTPUT_ROOT_ENV = "RAY_METRICS_OUTPUT_ROOT"
+DASHBOARD_OUTPUT_DIR_ENV = "RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR"
 
 
 def ray_dashboards_folder(temp_dir: str | Path, session_name: str) -> Path:
-    """Where Ray's provisioned Grafana reads dashboards for this session."""
-    return Path(temp_dir) / session_name / "metrics" / "grafana" / "dashboards"
+    """Where Ray's provisioned Grafana reads dashboards for this session: the session's
+    `metrics/grafana/dashboards`, unless Ray's environment moves it."""
+    if folder := os.environ.get(DASHBOARD_OUTPUT_DIR_ENV):
+        return Path(folder)
+    root = os.environ.get(METRICS_OUTPUT_ROOT_ENV) or Path(temp_dir) / session_name / "metrics"
+    return Path(root) / "grafana" / "dashboards"
 
 
 def provision_dashboard(folder: Path) -> Path | None:

@@ -26,6 +26,7 @@ LEAN_VARS = (
     serve_runtime.DIRECT_INGRESS_DRAIN_ENV,
     serve_runtime.WORKER_NICENESS_ENV,
     serve_runtime.REQUEST_LOG_BUFFER_ENV,
+    serve_runtime.FORCE_STOP_UNHEALTHY_ENV,
 )
 
 
@@ -44,6 +45,7 @@ def test_one_ingress_replica_takes_the_api_port_itself() -> None:
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
         "RAY_worker_niceness": "0",
         "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+        "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
     }
 
 
@@ -66,8 +68,10 @@ def test_the_ports_are_always_this_servers(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_the_users_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(serve_runtime.THROUGHPUT_ENV, "0")
-    assert lean_serve_env(8000, 1) == {"RAY_worker_niceness": "0"}
+    forced = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
+    assert lean_serve_env(8000, 1) == {"RAY_worker_niceness": "0", **forced}
     monkeypatch.setenv(serve_runtime.WORKER_NICENESS_ENV, "5")
+    monkeypatch.setenv(serve_runtime.FORCE_STOP_UNHEALTHY_ENV, "0")
     assert lean_serve_env(8000, 1) == {}
 
 

@@ -21,13 +21,18 @@ from pagedray.cluster.engine_autoscaling import (
 )
 
 
-def _context(metrics: dict[str, dict[str, float]], current: int, config: Any = None) -> Any:
+def _context(
+    metrics: dict[str, dict[str, float]],
+    current: int,
+    config: Any = None,
+    target: int | None = None,
+) -> Any:
     return AutoscalingContext(
         deployment_id=None,  # type: ignore[arg-type]
         deployment_name="PagedRayEngine",
         app_name="pagedray",
         current_num_replicas=current,
-        target_num_replicas=current,
+        target_num_replicas=current if target is None else target,
         running_replicas=[],
         total_num_requests=0.0,
         total_queued_requests=0.0,
@@ -62,8 +67,9 @@ def test_replicas_follow_sequences_or_kv_usage_whichever_needs_more() -> None:
     assert policy(_context(_load([0, 0], [0, 0], [0.0, 0.0]), 2))[0] == 0.0
 
 
-def test_no_report_yet_holds_the_count() -> None:
-    assert EngineAutoscalingPolicy(max_num_seqs=4)(_context({}, 3)) == (3, {})
+def test_no_report_yet_holds_the_target() -> None:
+    """Mid scale-up (3 wanted, 1 running), no report must not read as a wish to go back to 1."""
+    assert EngineAutoscalingPolicy(max_num_seqs=4)(_context({}, 1, target=3)) == (3, {})
 
 
 @given(

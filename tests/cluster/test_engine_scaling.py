@@ -126,9 +126,11 @@ def scaled_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
 def test_engines_scale_out_on_queued_sequences_and_back_in_when_idle(scaled_url: str) -> None:
     assert len(_replicas(scaled_url)) == 1
     streams = Streams(scaled_url)
-    streams.start(8, max_tokens=100)  # 4 running + 4 waiting: 2.5 replicas' worth
+    # 4 running + 4 waiting: 2.5 replicas' worth, for 2 x 25 s: time for a replica to start
+    # on a loaded machine before the load is gone and Serve would remove it again.
+    streams.start(8, max_tokens=250)
     _wait_for(lambda: len(_replicas(scaled_url)) == 2, "no second engine replica")
-    assert streams.join(300) == [(100, "length", None)] * 8
+    assert streams.join(300) == [(250, "length", None)] * 8
     _wait_for(lambda: len(_replicas(scaled_url)) == 1, "idle, yet still two engine replicas")
 
 
@@ -154,6 +156,6 @@ def test_replicas_removed_by_a_redeploy_finish_their_streams(
         serve.run(_app(tiny_llama, num_replicas=1), name="drained", route_prefix="/drained")
         results = streams.join(300)
         assert results == [(max_tokens, "length", None)] * 6
-        assert len(_replicas(url)) == 1
+        _wait_for(lambda: len(_replicas(url)) == 1, "not one engine replica after the redeploy")
     finally:
         serve.delete("drained")

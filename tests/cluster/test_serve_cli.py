@@ -96,14 +96,17 @@ def test_local_threads_leave_a_core_to_the_serving_path(tiny_llama: str) -> None
     assert local_threads_per_rank(two_engines) == serving_threads_per_rank(4)
     autoscaled = _parse([tiny_llama, "--min-replicas", "1", "--max-replicas", "3"])
     assert local_threads_per_rank(autoscaled) == serving_threads_per_rank(3)
+    at_least_two = _parse([tiny_llama, "--min-replicas", "2"])  # build_app deploys 2..2
+    assert local_threads_per_rank(at_least_two) == serving_threads_per_rank(2)
     assert local_threads_per_rank(_parse([tiny_llama, "--num-threads", "5"])) is None
     assert local_threads_per_rank(_parse([tiny_llama, "--device", "cuda"])) is None
 
 
 def test_an_engine_replica_without_threads_leaves_a_core_to_serving(tiny_llama: str) -> None:
     """What a Serve config that names no num_threads gets (outside Ray: no GPU bundle)."""
-    base = {"model": tiny_llama, "tensor_parallel_size": 2}
+    base = {"model": tiny_llama, "tensor_parallel_size": 2, "device": "cpu"}
     config = _with_serving_threads(EngineConfig(**base))
     assert config.num_threads == serving_threads_per_rank(2)
     assert _with_serving_threads(EngineConfig(**base, num_threads=3)).num_threads == 3
-    assert _with_serving_threads(EngineConfig(**base, device="cuda")).num_threads is None
+    cuda = {**base, "device": "cuda"}
+    assert _with_serving_threads(EngineConfig(**cuda)).num_threads is None

@@ -1,8 +1,9 @@
 """A node failure under Serve, on a simulated multi-node Ray (`ray.cluster_utils.Cluster`), run by
 test_multi_node.py in a process of its own (it cannot share the test session's Ray).
 
-A head node with no CPUs (Serve's controller, proxy and the ingress) and two worker nodes of
-one CPU each, so that each engine replica's STRICT_PACK group lands on a node of its own. With
+A head node with no CPUs (Serve's controller and proxy) and two worker nodes of one CPU each,
+so that each engine replica's STRICT_PACK group lands on a node of its own (the ingress, which
+takes no CPU, may land anywhere: the node removed is one that does not hold it). With
 streams running on both engines, one worker node is removed the hard way (its raylet and
 workers killed): what happened to each stream, /health, and the replacement once a node with
 room joins, is printed as one JSON line for the test to judge.
@@ -130,7 +131,10 @@ def main(model: str) -> None:
             stats = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
             return {r["replica_id"]: r["num_running"] for r in stats}
 
-        _wait("streams on both engines", lambda: sorted(running().values())[0] > 0)
+        _wait(
+            "every stream running, on both engines",
+            lambda: sum(running().values()) == STREAMS and min(running().values()) > 0,
+        )
         # The victim: an engine's node that does not also hold the ingress.
         victim_replica = next(r for r, n in engine_nodes.items() if n != ingress_node)
         victim_node = next(w for w in workers if w.node_id == engine_nodes[victim_replica])

@@ -19,7 +19,9 @@ from _subprocesses import descendants, kill_all, start_time
 
 SCENARIO = Path(__file__).with_name("_multi_node_scenario.py")
 TIMEOUT_S = 480.0
-FAIL_FAST_S = 10.0  # from the kill to the end of a stream that was on the dead node
+# From the kill to the end of a stream that was on the dead node (measured: 1.6 s); Ray's own
+# node-death timeouts are 30 s and more, so this still tells a fast failure from a slow one.
+FAIL_FAST_S = 20.0
 
 
 def test_a_dead_node_fails_its_streams_fast_and_its_engine_is_replaced(tiny_llama: str) -> None:

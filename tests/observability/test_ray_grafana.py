@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from pagedray.observability.grafana_dashboard import DASHBOARD_UID, dashboard_json
 from pagedray.observability.ray_grafana import (
     DASHBOARD_FILE,
@@ -14,7 +16,11 @@ from pagedray.observability.ray_grafana import (
 )
 
 
-def test_written_into_an_existing_folder_whole_and_readable(tmp_path: Path) -> None:
+def test_written_into_an_existing_folder_whole_and_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_METRICS_OUTPUT_ROOT", raising=False)
+    monkeypatch.delenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", raising=False)
     folder = ray_dashboards_folder(tmp_path, "session_x")
     assert folder == tmp_path / "session_x" / "metrics" / "grafana" / "dashboards"
     folder.mkdir(parents=True)
@@ -27,7 +33,20 @@ def test_written_into_an_existing_folder_whole_and_readable(tmp_path: Path) -> N
     assert [p.name for p in folder.iterdir()] == [DASHBOARD_FILE]  # no staging file left
 
 
-def test_nothing_where_ray_provisions_no_grafana(tmp_path: Path) -> None:
+def test_rays_environment_moves_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_METRICS_OUTPUT_ROOT", str(tmp_path / "root"))
+    assert ray_dashboards_folder("/tmp/ray", "s") == tmp_path / "root" / "grafana" / "dashboards"
+    monkeypatch.setenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", str(tmp_path / "d"))
+    assert ray_dashboards_folder("/tmp/ray", "s") == tmp_path / "d"
+
+
+def test_nothing_where_ray_provisions_no_grafana(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_METRICS_OUTPUT_ROOT", raising=False)
+    monkeypatch.delenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", raising=False)
     folder = ray_dashboards_folder(tmp_path, "session_x")
     assert provision_dashboard(folder) is None
     assert not folder.exists()

@@ -44,11 +44,21 @@ def test_no_ranks_is_refused() -> None:
 
 def test_a_cgroup_quota_caps_the_affinity(tmp_path: Path) -> None:
     affinity = len(os.sched_getaffinity(0))
-    cpu_max = tmp_path / "cpu.max"
+    cpu_max, v1 = tmp_path / "cpu.max", tmp_path / "v1"
     cpu_max.write_text("max 100000\n")
-    assert usable_cores(cpu_max) == affinity
+    assert usable_cores(cpu_max, v1) == affinity
     cpu_max.write_text("50000 100000\n")  # half a core: still one
-    assert usable_cores(cpu_max) == 1
+    assert usable_cores(cpu_max, v1) == 1
     cpu_max.write_text(f"{(affinity + 3) * 100000} 100000\n")  # a quota above the affinity
-    assert usable_cores(cpu_max) == affinity
-    assert usable_cores(tmp_path / "absent") == affinity
+    assert usable_cores(cpu_max, v1) == affinity
+    assert usable_cores(tmp_path / "absent", v1) == affinity
+
+
+def test_a_cgroup_v1_quota_counts_where_there_is_no_v2(tmp_path: Path) -> None:
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")  # no limit
+    assert usable_cores(tmp_path / "absent", v1) == len(os.sched_getaffinity(0))
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")  # one core
+    assert usable_cores(tmp_path / "absent", v1) == 1
