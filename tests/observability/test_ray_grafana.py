@@ -16,11 +16,14 @@ from pagedray.observability.ray_grafana import (
 )
 
 
-def test_written_into_an_existing_folder_whole_and_readable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(autouse=True)
+def rays_default_folders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's folders where its environment leaves them (a test may move them)."""
     monkeypatch.delenv("RAY_METRICS_OUTPUT_ROOT", raising=False)
     monkeypatch.delenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", raising=False)
+
+
+def test_written_into_an_existing_folder_whole_and_readable(tmp_path: Path) -> None:
     folder = ray_dashboards_folder(tmp_path, "session_x")
     assert folder == tmp_path / "session_x" / "metrics" / "grafana" / "dashboards"
     folder.mkdir(parents=True)
@@ -42,11 +45,7 @@ def test_rays_environment_moves_the_folder(
     assert ray_dashboards_folder("/tmp/ray", "s") == tmp_path / "d"
 
 
-def test_nothing_where_ray_provisions_no_grafana(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("RAY_METRICS_OUTPUT_ROOT", raising=False)
-    monkeypatch.delenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", raising=False)
+def test_nothing_where_ray_provisions_no_grafana(tmp_path: Path) -> None:
     folder = ray_dashboards_folder(tmp_path, "session_x")
     assert provision_dashboard(folder) is None
     assert not folder.exists()
