@@ -178,11 +178,19 @@ def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
     return text.encode("utf-8")
 
 
+# Characters JSON leaves unescaped that many clients' line readers (httpx's `iter_lines`, any
+# `str.splitlines`) take for line breaks: raw in a streamed text, they cut the event's JSON in
+# two. Escaped, the JSON decodes to the same text and every event stays one line.
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event, as OpenAI frames them."""
+    """One server-sent event, as OpenAI frames them, on one line for any line reader."""
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
+        data = payload.model_dump_json()
+    else:
+        data = json.dumps(payload)
+    return f"data: {data.translate(_LINE_BREAKS_IN_JSON)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

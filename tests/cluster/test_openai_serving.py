@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.openai.serving import LogprobFormatter
+from pagedray.openai.protocol import CompletionChoice, CompletionResponse
+from pagedray.openai.serving import LogprobFormatter, sse
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +45,24 @@ def test_partial_character_tokens_keep_their_top_logprobs(formatter: LogprobForm
     chat = formatter.chat(delta, num_top=3)[0]
     assert chat.bytes == list(formatter.token_bytes(partial[0]))
     assert len(chat.bytes) == 1 and chat.bytes[0] >= 0x80
+
+
+# What line readers break at, besides \r and \n (JSON escapes those, and the C0 ones).
+LINE_BREAKS = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\r\n"
+
+
+@given(st.text(st.sampled_from(LINE_BREAKS) | st.characters()))
+@example("a\u2028b\x85c\u2029d")
+def test_an_event_is_one_line_for_any_line_reader(text: str) -> None:
+    """Streamed text may hold U+2028, U+0085 and the like, which httpx's `iter_lines` (and
+    `str.splitlines`) break lines at: the event must still be one line that decodes to it."""
+    from httpx._decoders import LineDecoder
+
+    chunk = CompletionResponse(id="c", model="m", choices=[CompletionChoice(index=0, text=text)])
+    for event, text_of in (
+        (sse(chunk), lambda decoded: decoded["choices"][0]["text"]),
+        (sse({"error": {"message": text}}), lambda decoded: decoded["error"]["message"]),
+    ):
+        lines = [line for line in LineDecoder().decode(event) if line]
+        assert len(lines) == 1 and lines == event.rstrip("\n").splitlines()
+        assert text_of(json.loads(lines[0].removeprefix("data: "))) == text
