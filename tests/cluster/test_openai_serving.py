@@ -51,7 +51,8 @@ def test_partial_character_tokens_keep_their_top_logprobs(formatter: LogprobForm
 LINE_BREAKS = "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\r\n"
 
 
-@given(st.text(st.sampled_from(LINE_BREAKS) | st.characters()))
+# No lone surrogates: text decoded from UTF-8, as the ingress's is, never holds one.
+@given(st.text(st.sampled_from(LINE_BREAKS) | st.characters(blacklist_categories=("Cs",))))
 @example("a\u2028b\x85c\u2029d")
 def test_an_event_is_one_line_for_any_line_reader(text: str) -> None:
     """Streamed text may hold U+2028, U+0085 and the like, which httpx's `iter_lines` (and
