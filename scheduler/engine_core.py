@@ -10,11 +10,15 @@ import time
 from typing import Callable, Iterable, Protocol
 
 from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.grammar import StructuredOutputManager
 from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.request import EngineRequest, Request, RequestStatus
 from pagedray.scheduler.scheduler import Scheduler
+
+# Longest the step thread idles on a compiling grammar before the loop looks at its queues again.
+GRAMMAR_WAIT_S = 0.05
 
 
 class Executor(Protocol):
@@ -32,8 +36,10 @@ class EngineCore:
         num_kv_blocks: int,
         executor: Executor,
         eos_token_ids: Iterable[int] = (),
+        structured: StructuredOutputManager | None = None,
     ) -> None:
-        self.scheduler = Scheduler(config, num_kv_blocks, eos_token_ids)
+        """`structured`: compiles grammars for structured outputs (None: those are refused)."""
+        self.scheduler = Scheduler(config, num_kv_blocks, eos_token_ids, structured)
         self.executor = executor
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
@@ -60,13 +66,18 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        # Requests the scheduler ended before they ran (a grammar that failed to compile).
+        outputs, self.scheduler.pending_outputs = self.scheduler.pending_outputs, []
         if scheduler_output.total_num_scheduled_tokens == 0:
             if scheduler_output.finished_req_ids:
                 # Let the workers drop what finished even when nothing else runs.
                 self.executor.execute_model(scheduler_output)
-            return []
+            if not outputs:
+                self._wait_for_grammars()
+            return outputs
+        scheduler_output.grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_time = time.monotonic()
         self.last_step_duration = self.last_step_time - start
@@ -76,6 +87,13 @@ class EngineCore:
             if delta:
                 self.kv_delta_listener(delta)
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if a grammar is compiling, idle on it briefly rather than spin."""
+        for req in self.scheduler.waiting:
+            if req.grammar is not None and not req.grammar.ready():
+                req.grammar.wait(GRAMMAR_WAIT_S)
+                return
 
     def stats(self) -> dict[str, float]:
         return {**self.scheduler.stats(), "num_steps": self.num_steps}

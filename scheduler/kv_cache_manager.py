@@ -66,6 +66,18 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    def stats(self) -> dict[str, float]:
+        """Pool occupancy and prefix-cache counters (tokens), under the scheduler's stat names."""
+        return {
+            "num_kv_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "kv_usage": self.usage,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "preempted_prefix_cache_queries": self.preempted_prefix_cache_queries,
+            "preempted_prefix_cache_hits": self.preempted_prefix_cache_hits,
+        }
+
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
 

@@ -42,6 +42,17 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens each constrained sequence may sample this step (structured outputs)."""
+
+    req_ids: list[str]  # the sequences that sample this step under a grammar, one row each
+    words_per_row: int  # int32 words per row: ceil(vocab_size / 32)
+    # Rows of little-endian int32 words, bit (token_id % 32) of word (token_id // 32) set when
+    # the token is allowed: len(req_ids) * words_per_row * 4 bytes.
+    data: bytes
+
+
+@dataclass
 class SchedulerOutput:
     """One iteration's plan, identical for every tensor-parallel rank."""
 
@@ -52,6 +63,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # tokens
     blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src block id, dst block id), run first
     finished_req_ids: list[str]  # sequences the workers drop: finished, aborted, preempted, forked
+    grammar_bitmask: GrammarBitmask | None = None  # set after scheduling, when any row has one
 
     @property
     def is_empty(self) -> bool:

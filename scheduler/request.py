@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from pagedray.scheduler.grammar import RequestGrammar
 from pagedray.scheduler.messages import TokenLogprobs
 from pagedray.scheduler.sampling_params import SamplingParams
 
@@ -78,6 +79,8 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         self.status = RequestStatus.WAITING
+        # With structured outputs: the matcher of this sequence's output (the scheduler's).
+        self.grammar: RequestGrammar | None = None
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None  # first admission, for queue-time metrics
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedray.scheduler.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -64,8 +66,13 @@ class SamplingParams:
     # token id -> added to its logit before any other processing (OpenAI's logit_bias); -100
     # bans a token, +100 all but forces it.
     logit_bias: dict[int, float] | None = None
+    # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs);
+    # a dict of its fields is accepted too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured_outputs(self.structured_outputs)
         self.stop = _normalize_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -141,6 +148,12 @@ class SamplingParams:
         )
         for stop in self.stop:
             _check(is_encodable(stop), "stop", "must be valid Unicode (no lone surrogates)")
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be StructuredOutputsParams or a dict of its fields",
+        )
         if self.logit_bias is not None:
             _check(
                 isinstance(self.logit_bias, dict)
@@ -173,6 +186,14 @@ def is_encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _structured_outputs(fields: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError:
+        known = list(StructuredOutputsParams.__dataclass_fields__)
+        raise ValueError(f"structured_outputs: fields must be among {known}") from None
 
 
 def _normalize_stop(stop: Any) -> list[str]:

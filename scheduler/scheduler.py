@@ -13,15 +13,19 @@ import time
 from typing import Iterable
 
 from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.grammar import StructuredOutputManager
 from pagedray.scheduler.kv_cache_manager import KVCacheManager
+from pagedray.scheduler.limits import check_request_limits
 from pagedray.scheduler.messages import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     RequestError,
     SchedulerOutput,
 )
 from pagedray.scheduler.outputs import EngineCoreOutput
+from pagedray.scheduler.priority import num_seqs, priority_victims
 from pagedray.scheduler.request import Request, RequestStatus
 from pagedray.scheduler.worker_view import WorkerView
 
@@ -30,9 +34,16 @@ class Scheduler:
     """Owns the waiting queue, the running set and, through `KVCacheManager`, every block table."""
 
     def __init__(
-        self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: Iterable[int] = ()
+        self,
+        config: SchedulerConfig,
+        num_kv_blocks: int,
+        eos_token_ids: Iterable[int] = (),
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
+        self.structured = structured  # grammars for structured outputs; None: those refused
+        # Requests ended outside a step (their grammar failed to compile), for the next step.
+        self.pending_outputs: list[EngineCoreOutput] = []
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks,
@@ -64,6 +75,9 @@ class Scheduler:
         if req.req_id in self.requests or req.req_id in self.children:
             raise ValueError(f"request_id: {req.req_id!r} is already in use")
         self.check_limits(req.num_tokens, req.sampling_params.n)
+        constraint = req.sampling_params.structured_outputs
+        if constraint is not None and self.structured is None:
+            raise ValueError("structured_outputs: this engine was built without a tokenizer")
         if (
             self.config.max_num_waiting is not None
             and len(self.waiting) >= self.config.max_num_waiting
@@ -72,27 +86,15 @@ class Scheduler:
         self.requests[req.req_id] = req
         priority = req.priority if self.config.policy == "priority" else 0
         self._queue_keys[req.req_id] = (priority, req.arrival_time, next(self._arrival_counter))
+        if constraint is not None and self.structured is not None:
+            req.grammar = self.structured.start(constraint)
         self._enqueue(req)
 
     def check_limits(self, num_prompt_tokens: int, n: int, max_tokens: int | None = None) -> None:
-        """Raises ValueError if a request of this size could never be scheduled here.
-
-        `max_tokens` is checked only when given: the serving path refuses one that does not fit
-        beside the prompt (as vLLM does), while `add_request` leaves it out, so offline such a
-        request stops at max_model_len.
-        """
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n: must be at most max_num_seqs={self.config.max_num_seqs}, got {n}")
-        if num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens exceed max_model_len={self.max_model_len}"
-            )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: {max_tokens} does not fit beside {num_prompt_tokens} prompt tokens "
-                f"in max_model_len={self.max_model_len} ({max_tokens} > {self.max_model_len} - "
-                f"{num_prompt_tokens})"
-            )
+        """Raises ValueError if a request of this size could never be scheduled here."""
+        check_request_limits(
+            self.config.max_num_seqs, self.max_model_len, num_prompt_tokens, n, max_tokens
+        )
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, or a stop string found by the detokenizer).
@@ -163,22 +165,8 @@ class Scheduler:
         return output
 
     def _make_room_for_priority(self) -> None:
-        """With every seat taken, the waiting head preempts running sequences of a worse
-        (higher) priority value, newest first, as vLLM's priority scheduling does: a short
-        urgent request need not wait for a batch of long ones to finish. The victims' blocks
-        keep their hashes, so their recompute is mostly a prefix-cache hit."""
         head = self.waiting[0] if self.waiting else None
-        if head is None or not self.running:
-            return
-        num_seqs = _num_seqs(head)
-        num_running_seqs = sum(_num_seqs(req) for req in self.running)
-        while (
-            self.running
-            and num_running_seqs + num_seqs > self.config.max_num_seqs
-            and head.priority < self.running[-1].priority
-        ):
-            victim = self.running[-1]
-            num_running_seqs -= _num_seqs(victim)
+        for victim in priority_victims(head, self.running, self.config.max_num_seqs):
             self._preempt(victim)
 
     def _admit_waiting(
@@ -190,18 +178,26 @@ class Scheduler:
         copies: list[tuple[int, int]],
     ) -> int:
         # NOTE: an unforked n > 1 prompt counts as the n sequences it becomes after its prefill.
-        num_running_seqs = sum(_num_seqs(running_req) for running_req in self.running)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            num_seqs = _num_seqs(req)
-            if self.running and num_running_seqs + num_seqs > self.config.max_num_seqs:
+        num_running_seqs = sum(num_seqs(running_req) for running_req in self.running)
+        idx = 0  # NOTE: a request whose grammar is still compiling is passed over, not waited on
+        while idx < len(self.waiting) and budget > 0:
+            req = self.waiting[idx]
+            if req.grammar is not None and not req.grammar.ready():
+                idx += 1
+                continue
+            if req.grammar is not None and req.grammar.error is not None:
+                self.pending_outputs.append(self._error_output(req, (400, req.grammar.error)))
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                continue
+            req_num_seqs = num_seqs(req)
+            if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             allocation = self.kv_cache_manager.allocate_slots(req, num_new, computed_blocks)
             if allocation is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(idx)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # first admission (not a preempted one's return)
                 req.num_cached_tokens = num_hit
@@ -212,7 +208,7 @@ class Scheduler:
             copies.extend(allocation.copies)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
-            num_running_seqs += num_seqs
+            num_running_seqs += req_num_seqs
         return budget
 
     def update_from_output(
@@ -248,27 +244,48 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted meanwhile, or a sibling's failure already ended it
-            client_req_id = req.parent_req_id or req.req_id
-            self.finish_requests([client_req_id], RequestStatus.FINISHED_ERROR)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=client_req_id,
-                    choice_index=0,
-                    new_token_ids=[],
-                    new_logprobs=None,
-                    finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    error=error,
-                )
-            )
+            outputs.append(self._error_output(req, error))
+            self.finish_requests([req.parent_req_id or req.req_id], RequestStatus.FINISHED_ERROR)
         return outputs
+
+    def _error_output(self, req: Request, error: RequestError) -> EngineCoreOutput:
+        """The output that ends every choice of `req`'s client request with `error`."""
+        return EngineCoreOutput(
+            req_id=req.parent_req_id or req.req_id,
+            choice_index=0,
+            new_token_ids=[],
+            new_logprobs=None,
+            finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=error,
+        )
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Allowed tokens of the constrained sequences that sample in this (scheduled) step."""
+        rows = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests[req_id]
+            if req.grammar is not None and req.num_computed_tokens >= req.num_tokens:
+                rows[req_id] = req.grammar
+        return self.structured.bitmask(rows) if rows and self.structured else None
 
     def _append(
         self, req: Request, token_ids: list[int], logprobs: list | None
     ) -> EngineCoreOutput:
         req.append_output_token_ids(token_ids)
+        if req.grammar is not None and not req.grammar.accept(token_ids):
+            error = (500, f"structured output: {req.grammar.rejection()}")
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return self._error_output(req, error)
         status = self._stop_status(req)
+        if status is None and req.grammar is not None and self.structured is not None:
+            # A complete output can only be followed by EOS: appended now, not sampled next step.
+            eos = self.structured.forced_eos(req.grammar, req.sampling_params)
+            if eos is not None:
+                req.append_output_token_ids([eos])
+                token_ids, logprobs = [*token_ids, eos], logprobs and [*logprobs, ([eos], [0.0], 1)]
+                status = self._stop_status(req)
         if status is not None:
             self._finish(req, status)
         first_output = req.num_output_tokens == len(token_ids)
@@ -304,6 +321,8 @@ class Scheduler:
             self.requests[child.req_id] = child
             child.status = RequestStatus.RUNNING
             child.prompt_logprobs = parent.prompt_logprobs  # computed by the parent's prefill
+            if parent.grammar is not None:  # each choice advances its own copy
+                child.grammar = parent.grammar.fork()
         return [
             self._append(child, [token_ids[i]], [logprobs[i]] if logprobs else None)
             for i, child in enumerate(children)
@@ -330,6 +349,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        req.grammar = None
         self.kv_cache_manager.free(req)
         self.worker_view.forget(req.req_id)
         del self.requests[req.req_id]
@@ -368,15 +388,8 @@ class Scheduler:
         return self._queue_keys[req.req_id]
 
     def stats(self) -> dict[str, float]:
-        kv = self.kv_cache_manager
         return {
-            "num_kv_blocks": kv.num_blocks,
-            "num_free_blocks": kv.num_free_blocks,
-            "kv_usage": kv.usage,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "preempted_prefix_cache_queries": kv.preempted_prefix_cache_queries,
-            "preempted_prefix_cache_hits": kv.preempted_prefix_cache_hits,
+            **self.kv_cache_manager.stats(),
             "num_preemptions": self.num_preemptions,
             "num_computed_tokens_total": self.num_computed_tokens_total,
             "num_cow_copies": self.num_cow_copies,
@@ -385,8 +398,3 @@ class Scheduler:
             "peak_num_running": self.peak_num_running,
             "peak_kv_usage": self.peak_kv_usage,
         }
-
-
-def _num_seqs(req: Request) -> int:
-    """Sequences `req` stands for: an n > 1 prompt forks into n once its prefill completes."""
-    return req.sampling_params.n if req.parent_req_id is None and not req.output_token_ids else 1

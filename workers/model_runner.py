@@ -13,6 +13,7 @@ import torch
 from pagedray.attention.backend import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedray.workers.grammar_mask import apply_grammar_bitmask
 from pagedray.workers.input_batch import InputBatch
 from pagedray.workers.sampler import Sampler, SamplingRow, token_logprobs
 
@@ -63,6 +64,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_idx])  # [num_samples, vocab]
         if self.sampler is None:
             return empty
+        if scheduler_output.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, sample_req_ids, scheduler_output.grammar_bitmask)
         rows = [self._sampling_row(req_id) for req_id in sample_req_ids]
         sampled = self.sampler(logits, rows)
         ok = [i for i, row in enumerate(sampled) if row.error is None]

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.executor import UniProcExecutor
 from pagedray.engine.prompts import PromptValidator
 from pagedray.scheduler.engine_core import EngineCore
+from pagedray.scheduler.grammar import StructuredOutputManager
 from pagedray.workers.model_config import ModelConfig
 
 
@@ -21,6 +23,27 @@ def load_tokenizer(config: EngineConfig) -> Any:
 def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> PromptValidator:
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
     return PromptValidator(tokenizer, max_model_len, model_config.vocab_size, config.max_num_seqs)
+
+
+def structured_output_manager(
+    tokenizer: Any, model_config: ModelConfig
+) -> StructuredOutputManager | None:
+    """Grammars for structured outputs, over the model's whole logits width and EOS ids; None
+    for a tokenizer without a `tokenizers` backend (such requests are then refused)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+
+    def tokenizer_json() -> str:
+        # NOTE: a copy without padding or truncation, which would change how text tokenizes.
+        copy = Tokenizer.from_str(backend.to_str())
+        copy.no_padding()
+        copy.no_truncation()
+        return copy.to_str()
+
+    return StructuredOutputManager(
+        tokenizer_json, model_config.vocab_size, model_config.eos_token_id
+    )
 
 
 def build_executor(config: EngineConfig, max_model_len: int) -> Any:
@@ -36,13 +59,14 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, Any, Any, PromptVali
     max_model_len = config.resolved_max_model_len()
     executor = build_executor(config, max_model_len)
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
+    tokenizer = load_tokenizer(config)
     engine = EngineCore(
         config.scheduler_config(max_model_len),
         executor.num_kv_blocks,
         executor,
         eos_token_ids=model_config.eos_token_id,
+        structured=structured_output_manager(tokenizer, model_config),
     )
-    tokenizer = load_tokenizer(config)
     return (
         engine,
         executor,

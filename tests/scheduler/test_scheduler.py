@@ -7,6 +7,7 @@ its own: prefix caching, copy-on-write and preemption must never corrupt what at
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import pytest
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.scheduler.messages import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -691,8 +693,16 @@ def test_messages_pickle_round_trip() -> None:
         "e", [1, 2, 3], SamplingParams(n=2, stop=["x"]), 2.5, priority=3, cache_salt="s"
     )
     logprobs_output = ModelRunnerOutput(4, ["x"], [[1]], [[([1, 2], [-0.1, -2.5], 1)]])
+    constrained = EngineRequest(
+        "c", [1, 2], SamplingParams(structured_outputs={"json": {"type": "object"}})
+    )
+    with_bitmask = dataclasses.replace(
+        second, grammar_bitmask=GrammarBitmask(["x"], 1, b"\x01\x00\x00\x80")
+    )
     messages = [
         first,
+        with_bitmask,
+        constrained,
         second,
         first.scheduled_new_reqs[0],
         second.scheduled_new_reqs[0],
@@ -709,6 +719,7 @@ def test_messages_pickle_round_trip() -> None:
         ModelRunnerOutput,
         EngineRequest,
     }
+    assert with_bitmask.grammar_bitmask is not None
     for message in messages:
         assert pickle.loads(pickle.dumps(message)) == message
     assert second.blocks_to_copy  # the copy ops survive too

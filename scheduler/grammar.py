@@ -1,0 +1,181 @@
+"""Grammar state of constrained requests: one llguidance matcher per sequence, and each step's
+token bitmask for the rows that sample.
+
+As vLLM V1 does, the scheduler owns the matchers: it ships a bitmask with the plan, the worker
+masks the logits before sampling, and the scheduler advances each matcher with the token that
+came back. A matcher is built on a compile thread, never on the step loop; until it is ready its
+request waits (it is skipped, not blocking the queue). Equal constraints share one compiled
+template, copied per sequence, so a schema is compiled once. A matcher follows the sequence's
+output tokens, which preemption keeps, so a recomputed sequence resumes where it was; a forked
+(n > 1) sequence gets its own copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from pagedray.scheduler.messages import GrammarBitmask
+from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.scheduler.structured_outputs import StructuredOutputsParams, compiled_grammar
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+
+# Compiled templates kept for reuse: a service usually sees a handful of schemas again and again.
+MAX_CACHED_GRAMMARS = 256
+
+
+class RequestGrammar:
+    """One sequence's matcher, ready once its compile finished (or failed with a message)."""
+
+    def __init__(self, future: Future[LLMatcher]) -> None:
+        self._future = future
+        self.matcher: LLMatcher | None = None
+        self.error: str | None = None
+
+    @classmethod
+    def of(cls, matcher: LLMatcher) -> RequestGrammar:
+        future: Future[LLMatcher] = Future()
+        future.set_result(matcher)
+        grammar = cls(future)
+        grammar.ready()
+        return grammar
+
+    def ready(self) -> bool:
+        """True once compiled (check `error`); never blocks."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self._future.done():
+            return False
+        exc = self._future.exception()
+        if exc is None:
+            self.matcher = self._future.result()
+        else:
+            self.error = str(exc)
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` for the compile (the step thread idles on it, not spins)."""
+        with contextlib.suppress(FutureTimeoutError):
+            self._future.exception(timeout=timeout_s)
+
+    def fork(self) -> RequestGrammar:
+        """A copy that advances on its own (a forked sequence from the same prompt)."""
+        assert self.matcher is not None
+        return RequestGrammar.of(self.matcher.deep_copy())
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advance by sampled tokens; False if the grammar rejects one (the request must end)."""
+        assert self.matcher is not None
+        return self.matcher.consume_tokens(token_ids)
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete: the grammar allows nothing more (but end of sequence)."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+    def rejection(self) -> str:
+        assert self.matcher is not None
+        return self.matcher.get_error() or "the sampled token does not fit the grammar"
+
+
+@dataclass
+class GrammarStats:
+    """Counters for metrics: drained by `take_compile_times`, read at every step."""
+
+    num_compiled: int = 0
+    num_cache_hits: int = 0
+    last_mask_s: float = 0.0  # bitmask time of the last step that had constrained rows
+
+
+class StructuredOutputManager:
+    """Compiles constraints against the model's tokenizer and fills each step's bitmask."""
+
+    def __init__(
+        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        """`tokenizer_json`: gives the HF tokenizers serialization, read at the first compile
+        (a large vocabulary takes about a second to index); `vocab_size`: the logits' width,
+        which may exceed the tokenizer's (padded embeddings): extra ids are never allowed."""
+        from llguidance import LLExecutor
+
+        self._tokenizer_json = tokenizer_json
+        self._tokenizer: LLTokenizer | None = None  # built on the compile thread
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.words_per_row = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self._executor = LLExecutor()
+        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedray-grammar")
+        self._templates: OrderedDict[tuple[str, str], LLMatcher] = OrderedDict()
+        self._compile_times: list[float] = []  # seconds, per new template, until drained
+        self._lock = threading.Lock()  # the compile thread appends, the metrics thread drains
+        self.stats = GrammarStats()
+
+    def start(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """Begin building a request's matcher on the compile thread."""
+        return RequestGrammar(self._compile_pool.submit(self._matcher, params.key))
+
+    def _matcher(self, key: tuple[str, str]) -> LLMatcher:
+        from llguidance import LLMatcher
+
+        template = self._templates.get(key)
+        if template is not None:
+            self._templates.move_to_end(key)
+            self.stats.num_cache_hits += 1
+            return template.deep_copy()
+        start = time.perf_counter()
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._tokenizer = LLTokenizer(
+                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
+        template = LLMatcher(self._tokenizer, compiled_grammar(key), log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{key[0]}: {template.get_error()}")
+        with self._lock:
+            self._compile_times.append(time.perf_counter() - start)
+        self.stats.num_compiled += 1
+        self._templates[key] = template
+        if len(self._templates) > MAX_CACHED_GRAMMARS:
+            self._templates.popitem(last=False)
+        return template.deep_copy()
+
+    def bitmask(self, grammars: dict[str, RequestGrammar]) -> GrammarBitmask:
+        """A row per sequence: the tokens its grammar allows next, computed in parallel with
+        the GIL released."""
+        import numpy as np
+
+        start = time.perf_counter()
+        rows = np.full((len(grammars), self.words_per_row), -1, dtype=np.int32)
+        matchers: list[tuple[Any, int]] = []
+        for i, grammar in enumerate(grammars.values()):
+            assert grammar.matcher is not None
+            matchers.append((grammar.matcher, i))
+        self._executor.unsafe_compute_mask_ptr(
+            matchers, rows.ctypes.data, self.words_per_row * 4, len(grammars)
+        )
+        self.stats.last_mask_s = time.perf_counter() - start
+        return GrammarBitmask(list(grammars), self.words_per_row, rows.tobytes())
+
+    def forced_eos(self, grammar: RequestGrammar, params: SamplingParams) -> int | None:
+        """The EOS token to end a complete output with, when nothing else could be sampled;
+        None while the grammar allows more, or when EOS would not end it (ignore_eos)."""
+        if not grammar.terminated or params.ignore_eos or not self.eos_token_ids:
+            return None
+        return self.eos_token_ids[0]
+
+    def take_compile_times(self) -> list[float]:
+        with self._lock:
+            times, self._compile_times = self._compile_times, []
+        return times
+
+    def shutdown(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,143 @@
+"""What a request's output must match: a JSON schema, a regex, a choice or a grammar (vLLM's
+`StructuredOutputsParams`), and its translation into an llguidance grammar.
+
+llguidance is the grammar engine: a zero-dependency wheel whose Earley parser and lazy lexer
+need no ahead-of-time mask tables, so turning a schema into a grammar takes well under a
+millisecond and a per-token mask tens of microseconds (vLLM's `guidance` backend; xgrammar would
+pull triton and TVM's FFI and precompile per tokenizer). A bad schema, regex or grammar is found
+here, with llguidance's own message, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# Bounds on what a client can make the grammar engine do; llguidance also bounds the lexer and
+# parser work per token (its `LLParserLimits` defaults).
+MAX_SPEC_CHARS = 1_000_000
+MAX_CHOICES = 4_096
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# OpenAI's own structured outputs are compact JSON. llguidance's flexible whitespace lets a
+# model emit newlines and tabs between tokens, and a weak (or random) model can spend its whole
+# budget there; a client who wants it asks with `whitespace_pattern`.
+_COMPACT_JSON = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint (vLLM's field names); `json` is a schema (dict or JSON text)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF (`::=` rules)
+    json_object: bool | None = None  # any JSON object
+    whitespace_pattern: str | None = None  # regex for whitespace between JSON tokens
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: give exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}"
+            )
+        if self.choice is not None:
+            ok = isinstance(self.choice, list) and all(isinstance(c, str) for c in self.choice)
+            if not ok or not self.choice or len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice: must be 1 to {MAX_CHOICES} strings")
+        for kind in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, kind)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{kind}: must be a string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json: must be a JSON schema object")
+        compiled_grammar(self.key)  # raises ValueError naming the problem (cached)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else _dump(self.json)
+            return ("json", _json_key(schema, self.whitespace_pattern))
+        if self.json_object:
+            return ("json", _json_key('{"type": "object"}', self.whitespace_pattern))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", _dump(self.choice))
+        assert self.grammar is not None
+        return ("grammar", self.grammar)
+
+
+def compiled_grammar(key: tuple[str, str]) -> str:
+    """The llguidance grammar for a constraint's key; raises ValueError naming the problem."""
+    return _compiled_grammar(key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled_grammar(key: tuple[str, str]) -> str:
+    from llguidance import LLMatcher
+
+    kind, text = key
+    field = f"structured_outputs.{kind}"
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"{field}: longer than {MAX_SPEC_CHARS} characters")
+    if kind == "json":
+        options = json.loads(text)
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(
+                options["schema"], defaults=options["defaults"]
+            )
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from None
+    elif kind == "regex":
+        grammar = LLMatcher.grammar_from_regex(text)
+    elif kind == "choice":
+        alternatives = " | ".join(_dump(choice) for choice in json.loads(text))
+        grammar = LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    else:
+        grammar = LLMatcher.grammar_from_lark(_as_lark(text))
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"{field}: {_one_line(messages[0])}")
+    return grammar
+
+
+def _json_key(schema_text: str, whitespace_pattern: str | None) -> str:
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structured_outputs.json: not valid JSON ({exc.msg})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("structured_outputs.json: a JSON schema must be an object")
+    defaults: dict[str, Any] = dict(_COMPACT_JSON)
+    if whitespace_pattern is not None:
+        defaults = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+    return _dump({"schema": schema, "defaults": defaults})
+
+
+def _as_lark(grammar: str) -> str:
+    """GBNF (llama.cpp's, which vLLM's xgrammar backend takes) becomes Lark; Lark stays."""
+    if re.search(r"^\s*[A-Za-z][\w-]*\s*::=", grammar, re.MULTILINE):
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            return gbnf_to_lark(grammar)
+        except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors
+            raise ValueError(f"structured_outputs.grammar: bad GBNF ({exc})") from None
+    return grammar
+
+
+def _dump(value: Any) -> str:
+    # NOTE: keys keep their order: a schema's property order is the order of the output's keys.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _one_line(message: str, limit: int = 300) -> str:
+    """llguidance's message (it may draw a caret under the grammar) on one line, bounded."""
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip("^ \t"))
+    return (text[:limit] + "...") if len(text) > limit else text or "invalid"

@@ -1,0 +1,293 @@
+"""Structured outputs through the offline `LLM` on a random-weight checkpoint, whose free text is
+gibberish: every constrained output must still parse and validate, greedy and sampled, n > 1,
+across preemption and prefix caching, mixed in batches with unconstrained requests."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedray import LLM, SamplingParams
+from pagedray.scheduler.structured_outputs import StructuredOutputsParams
+
+PROMPTS = ["Give me a JSON object.", "Hello", {"prompt_token_ids": list(range(5, 45))}]
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "admin": {"type": "boolean"},
+                },
+                "required": ["id", "admin"],
+                "additionalProperties": False,
+            },
+            "note": {"type": ["string", "null"], "maxLength": 8},
+        },
+        "required": ["user", "note"],
+        "additionalProperties": False,
+    },
+    "arrays_enums": {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+        },
+        "required": ["colors", "size"],
+        "additionalProperties": False,
+    },
+    "bounded_numbers_patterns": {
+        "type": "object",
+        "properties": {
+            "score": {"type": "integer", "minimum": -5, "maximum": 5},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        },
+        "required": ["score", "ratio", "code"],
+        "additionalProperties": False,
+    },
+    "array_of_objects": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"k": {"type": "string", "maxLength": 4}, "v": {"type": "boolean"}},
+            "required": ["k", "v"],
+            "additionalProperties": False,
+        },
+        "minItems": 1,
+        "maxItems": 3,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256)
+
+
+def _texts(llm: LLM, params: SamplingParams, prompts: list[Any] = PROMPTS) -> list[str]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    choices = [choice for output in outputs for choice in output.outputs]
+    assert all(choice.finish_reason == "stop" for choice in choices), choices
+    return [choice.text for choice in choices]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 7},
+        {"temperature": 0.9, "top_p": 0.9, "n": 3, "seed": 3},
+    ],
+    ids=["greedy", "sampled", "n3"],
+)
+def test_json_schema_output_validates(llm: LLM, name: str, sampling: dict[str, Any]) -> None:
+    schema = SCHEMAS[name]
+    params = SamplingParams(
+        max_tokens=300, structured_outputs=StructuredOutputsParams(json=schema), **sampling
+    )
+    texts = _texts(llm, params)
+    assert len(texts) == len(PROMPTS) * params.n
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_keys_follow_the_schema_order(llm: LLM) -> None:
+    schema = SCHEMAS["bounded_numbers_patterns"]
+    params = SamplingParams(temperature=0.0, max_tokens=300, structured_outputs={"json": schema})
+    for text in _texts(llm, params):
+        assert list(json.loads(text)) == ["score", "ratio", "code"]
+
+
+def test_json_object_regex_choice_and_grammar(llm: LLM) -> None:
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 120}
+    for text in _texts(llm, SamplingParams(structured_outputs={"json_object": True}, **sampled)):
+        assert isinstance(json.loads(text), dict)
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    for text in _texts(llm, SamplingParams(structured_outputs={"regex": regex}, **sampled)):
+        assert re.fullmatch(regex, text), text
+    choices = ["yes", "no", "maybe so"]
+    for text in _texts(llm, SamplingParams(structured_outputs={"choice": choices}, **sampled)):
+        assert text in choices
+    lark = 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'
+    for text in _texts(llm, SamplingParams(structured_outputs={"grammar": lark}, **sampled)):
+        assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text), text
+    gbnf = 'root ::= "ab" digit digit\ndigit ::= [0-9]'
+    for text in _texts(llm, SamplingParams(structured_outputs={"grammar": gbnf}, **sampled)):
+        assert re.fullmatch(r"ab[0-9]{2}", text), text
+
+
+def test_constrained_and_free_requests_share_batches(llm: LLM) -> None:
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = _free_tokens(llm, free)
+    schema = SCHEMAS["nested"]
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=300, structured_outputs={"json": schema}
+    )
+    mixed = llm.generate(PROMPTS + PROMPTS, [constrained] * 3 + [free] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[3:]] == alone
+    for output in mixed[:3]:
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+
+
+def _free_tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_preemption_and_prefix_caching_do_not_change_outputs(tiny_llama: str) -> None:
+    """A pool too small for the batch preempts and recomputes; the matchers follow the kept
+    output tokens, so seeded constrained outputs equal a roomy, uncached run's."""
+    schema = SCHEMAS["array_of_objects"]
+    params = SamplingParams(
+        temperature=1.0, seed=5, n=2, max_tokens=200, structured_outputs={"json": schema}
+    )
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(8)]
+    roomy = LLM(tiny_llama, dtype="float32", num_kv_blocks=512, enable_prefix_caching=False)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params)]
+    tight = LLM(tiny_llama, dtype="float32", num_kv_blocks=24, block_size=16)
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+    again = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params)]
+    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats()["prefix_cache_hits"] > 0
+    assert got == expected and again == expected
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"json": {"type": "strin"}}, "structured_outputs.json: Invalid type"),
+        ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+        ({"regex": "a(b"}, "structured_outputs.regex:"),
+        ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar:"),
+        ({"choice": []}, "structured_outputs.choice:"),
+        ({"regex": "a", "choice": ["a"]}, "give exactly one of"),
+        ({"schema": {}}, "structured_outputs: fields must be among"),
+    ],
+)
+def test_bad_constraint_is_refused_before_queueing(
+    llm: LLM, constraint: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate(["Hi"], SamplingParams(structured_outputs=constraint), use_tqdm=False)
+    assert llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0
+
+
+_LEAF = st.sampled_from(
+    [
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "integer", "minimum": -20, "maximum": 20},
+        {"type": "string", "maxLength": 5},
+        {"enum": ["a", "bb", 3, None]},
+        {"type": "string", "pattern": "^[a-c]{1,3}$"},
+    ]
+)
+_SCHEMA = st.recursive(
+    _LEAF,
+    lambda inner: st.one_of(
+        st.builds(
+            lambda items, lo, extra: {
+                "type": "array",
+                "items": items,
+                "minItems": lo,
+                "maxItems": lo + extra,
+            },
+            inner,
+            st.integers(0, 2),
+            st.integers(0, 2),
+        ),
+        st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), inner, min_size=1, max_size=3).map(
+            lambda props: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(props),
+                "additionalProperties": False,
+            }
+        ),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(schema=_SCHEMA, seed=st.integers(0, 2**16))
+def test_random_schemas_always_validate(llm: LLM, schema: dict[str, Any], seed: int) -> None:
+    params = SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=400, structured_outputs={"json": schema}
+    )
+    for text in _texts(llm, params, PROMPTS[:1]):
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_schema_is_compiled_once(llm: LLM) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"once": {"type": "boolean"}},
+        "required": ["once"],
+        "additionalProperties": False,
+    }
+    structured = llm.engine.scheduler.structured
+    assert structured is not None
+    before = structured.stats.num_compiled
+    params = SamplingParams(temperature=0.0, max_tokens=50, structured_outputs={"json": schema})
+    for _ in range(3):
+        _texts(llm, params)
+    assert structured.stats.num_compiled == before + 1
+
+
+def test_a_compiling_grammar_does_not_hold_up_the_queue(llm: LLM, monkeypatch) -> None:
+    """Compiles run on their own thread: a request waits for its grammar while requests behind
+    it are admitted and run."""
+    structured = llm.engine.scheduler.structured
+    assert structured is not None
+    release = threading.Event()
+    compile_grammar = structured._matcher
+
+    def slow_compile(key: tuple[str, str]) -> Any:
+        release.wait(timeout=30)
+        return compile_grammar(key)
+
+    monkeypatch.setattr(structured, "_matcher", slow_compile)
+    timer = threading.Timer(1.0, release.set)
+    timer.start()
+    constrained = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"regex": "z+"})
+    free = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    slow, fast = llm.generate(["Hi", "Hello"], [constrained, free], use_tqdm=False)
+    timer.join()
+    assert re.fullmatch("z+", slow.outputs[0].text)
+    assert fast.metrics["finish_time"] < slow.metrics["first_token_time"]
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(llm: LLM, monkeypatch) -> None:
+    structured = llm.engine.scheduler.structured
+    assert structured is not None
+
+    def failing_compile(key: tuple[str, str]) -> Any:
+        raise ValueError("structured_outputs.regex: too complex for this tokenizer")
+
+    monkeypatch.setattr(structured, "_matcher", failing_compile)
+    constrained = SamplingParams(max_tokens=8, structured_outputs={"regex": "[a-z]+q"})
+    free = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    failed, ok = llm.generate(["Hi", "Hello"], [constrained, free], use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error"
+    assert failed.error is not None and "too complex for this tokenizer" in failed.error
+    assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 4
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]  # nothing leaked
