@@ -10,11 +10,9 @@ pagedray.cluster.openai_app:build_app model=...` works.
 # NOTE: no `from __future__ import annotations` here: Serve pickles the route functions by value,
 # with only the globals their bodies use, so FastAPI could not resolve string annotations such
 # as "Request" in the replica and would treat those parameters as query strings.
-import asyncio
-import functools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,7 +27,7 @@ from pagedray.cluster import kv_views
 from pagedray.cluster.client_disconnect import ClientDisconnect
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
-from pagedray.cluster.kv_views import ROUTING_HASHES_KEY
+from pagedray.cluster.ingress_base import IngressBase
 from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import (
     CONTENT_TYPE,
@@ -40,9 +38,7 @@ from pagedray.cluster.metrics_endpoint import (
 from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import load_tokenizer, make_validator
-from pagedray.engine.prompts import ValidatedPrompt
 from pagedray.observability.ray_grafana import provision_for_this_ray_session
-from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     GuardSettings,
@@ -51,10 +47,7 @@ from pagedray.openai.ingress_guard import (
 )
 from pagedray.openai.output_subscriber import OutputSubscriber
 from pagedray.openai.prompts import (
-    RequestT,
-    chat_prompt,
     completion_prompts,
-    decode_body,
     detokenize,
     tokenize,
 )
@@ -70,7 +63,7 @@ from pagedray.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedray.openai.request_body import BodyError
+from pagedray.openai.response_objects import new_response_id
 from pagedray.openai.responses import (
     ResponseContext,
     chat_chunks,
@@ -79,6 +72,8 @@ from pagedray.openai.responses import (
     completion_response,
     with_error_event,
 )
+from pagedray.openai.responses_api import ResponsesRequest, to_chat_body
+from pagedray.openai.responses_flow import ResponseJob, response_events, whole_response
 from pagedray.openai.schema import declare_request_models, request_body, responses
 from pagedray.openai.serving import (
     HTTPMetricsMiddleware,
@@ -87,14 +82,10 @@ from pagedray.openai.serving import (
     engine_error_response,
     error_response,
 )
-from pagedray.scheduler.sampling_params import SamplingParams
 
 # Threads per ingress replica that parse bodies and (de)tokenize, off the event loop: a huge
 # prompt then delays only the requests queued behind it here, never /health or a stream.
 TOKENIZER_THREADS = 4
-# Tokens per engine message of a non-streamed request with stop strings: the ingress finds them,
-# so it needs the tokens before the end, but not one message per token.
-STOP_CHECK_INTERVAL = 8
 
 app = FastAPI(title="pagedray", description="OpenAI-compatible LLM serving on Ray")
 
@@ -119,7 +110,14 @@ app.add_middleware(HTTPMetricsMiddleware, metrics_of=_replica_metrics)
 # Outermost, so every reader of the body (the guard included) sees a hang-up as a disconnect.
 app.add_middleware(ClientDisconnect)
 declare_request_models(
-    app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    app,
+    [
+        CompletionRequest,
+        ChatCompletionRequest,
+        ResponsesRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    ],
 )
 
 
@@ -137,11 +135,16 @@ def _event_stream(chunks: Any) -> StreamingResponse:
     return StreamingResponse(with_error_event(chunks), media_type="text/event-stream")
 
 
+def _response_not_found(response_id: str, param: str) -> Response:
+    message = f"{param}: no stored response {response_id!r} (never stored, expired or evicted)"
+    return error_response(404, message, "NotFoundError", param=param)
+
+
 # NOTE: `serve.ingress` pickles the app (and so the routes) when the class is decorated: every
 # global a route uses must already be defined above this point.
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=MAX_ONGOING_REQUESTS)
 @serve.ingress(app)
-class OpenAIIngress:
+class OpenAIIngress(IngressBase):
     """Tokenizer-side work and protocol; generation goes to the engine deployment.
 
     `api_key_sha256` is the key's SHA-256 (the key itself never reaches Serve's deployment
@@ -154,9 +157,11 @@ class OpenAIIngress:
         config: dict[str, Any],
         api_key_sha256: str | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        response_store: DeploymentHandle | None = None,
     ) -> None:
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         self.engine = engine
+        self.response_store = response_store  # the Responses API's, shared by every ingress
         self.config = EngineConfig.model_validate(config)
         self.model_name = self.config.served_name()
         self.tokenizer = load_tokenizer(self.config)
@@ -229,26 +234,65 @@ class OpenAIIngress:
         body = await self._parse(raw, ChatCompletionRequest)
         if isinstance(body, Response):
             return body
-        await self._learn_limits()
-        try:
-            params, prompt = await self._in_thread(chat_prompt, self.validator, body)
-        except ValueError as exc:
-            return bad_request(exc)
-        ctx = ResponseContext(
-            request_id=request_id,
-            model=self.model_name,
-            n=params.n,
-            num_prompts=1,
-            logprobs=self.logprobs,
-            num_logprobs=params.logprobs,
-            include_usage=body.include_usage,
-        )
-        streams = await self._open(ctx.request_id, [prompt], params, body.priority, body.stream)
-        if isinstance(streams, Response):
-            return streams
+        started = await self._start_chat(request_id, body)
+        if isinstance(started, Response):
+            return started
+        ctx, streams = started
         if body.stream:
             return _event_stream(chat_chunks(ctx, streams))
         return _json(await chat_response(ctx, streams))
+
+    # ---- the Responses API ------------------------------------------------------------------
+
+    @app.post(
+        "/v1/responses",
+        openapi_extra=request_body(ResponsesRequest),
+        responses=responses(None, stream=True),
+    )
+    async def create_response(self, raw: Request) -> Response:
+        """OpenAI's Responses API, served through the chat path; `previous_response_id`
+        continues a stored response from any ingress replica, on any engine replica."""
+        response_id = new_response_id()
+        not_ready = await self.control.not_ready(response_id)
+        if not_ready is not None:
+            return not_ready
+        body = await self._parse(raw, ResponsesRequest)
+        if isinstance(body, Response):
+            return body
+        history = None
+        if body.previous_response_id is not None:
+            record = await self._stored(body.previous_response_id, "previous_response_id")
+            if isinstance(record, Response):
+                return record
+            history = record["conversation"]
+        chat_body = to_chat_body(body, history)
+        try:
+            chat = ChatCompletionRequest.model_validate({**chat_body, "stream": body.stream})
+        except ValidationError as exc:
+            return bad_request(exc)
+        started = await self._start_chat(response_id, chat)
+        if isinstance(started, Response):
+            return started
+        job = ResponseJob(response_id, body, chat_body, self.model_name)
+        save = self._save if body.store else None
+        if body.stream:
+            events = response_events(job, *started, save)
+            return StreamingResponse(events, media_type="text/event-stream")
+        result = await whole_response(job, *started, save)
+        if result.get("object") != "response":  # the engine's error
+            return engine_error_response(result)
+        return JSONResponse(result)
+
+    @app.get("/v1/responses/{response_id}", responses=responses(None, errors=(401, 404, 503)))
+    async def retrieve_response(self, response_id: str) -> Response:
+        record = await self._stored(response_id, "response_id")
+        return record if isinstance(record, Response) else JSONResponse(record["response"])
+
+    @app.delete("/v1/responses/{response_id}", responses=responses(None, errors=(401, 404, 503)))
+    async def delete_response(self, response_id: str) -> Response:
+        if self.response_store is None or not await self.response_store.delete.remote(response_id):
+            return _response_not_found(response_id, "response_id")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     # ---- models, tokenizer ------------------------------------------------------------------
 
@@ -328,67 +372,16 @@ class OpenAIIngress:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    async def _learn_limits(self) -> int:
-        await self.control.learn_limits()
-        self.validator.max_model_len = self.control.max_model_len
-        return self.validator.max_model_len
+    async def _stored(self, response_id: str, param: str) -> dict[str, Any] | Response:
+        """A stored response's record, or the 404 that names `param`."""
+        record = None
+        if self.response_store is not None:
+            record = await self.response_store.get.remote(response_id)
+        return record if record is not None else _response_not_found(response_id, param)
 
-    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
-
-    async def _parse(self, raw: Request, model: type[RequestT]) -> RequestT | Response:
-        """Decode and validate a body (the guard has bounded it); the error response if bad."""
-        try:
-            body = await self._in_thread(decode_body, await raw.body(), model)
-        except BodyError as exc:
-            return error_response(400, str(exc), param=exc.param)
-        except ValidationError as exc:
-            return bad_request(exc)
-        requested = getattr(body, "model", None)
-        if requested is not None and requested != self.model_name:
-            message = f"model: {requested!r} does not exist; this server has {self.model_name!r}"
-            return error_response(404, message, "NotFoundError", param="model")
-        return body
-
-    def _stream_interval(self, stream: bool, params: SamplingParams) -> int | None:
-        """How often the engine sends this request's tokens: every `--stream-interval` tokens to
-        a streaming client; once, at the end, to one that does not stream, unless the ingress
-        must watch for stop strings (then every `STOP_CHECK_INTERVAL` tokens, so that little is
-        generated past one)."""
-        if stream:
-            return self.config.stream_interval
-        return STOP_CHECK_INTERVAL if params.stop else None
-
-    async def _open(
-        self,
-        request_id: str,
-        prompts: list[ValidatedPrompt],
-        params: SamplingParams,
-        priority: int,
-        stream: bool,
-    ) -> EngineStreams | Response:
-        """Submit one engine request per prompt; an error response if any is refused."""
-        requests = [
-            {
-                "request_id": request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                "prompt_token_ids": prompt.token_ids,
-                "sampling_params": params,
-                "priority": priority,
-                "cache_salt": prompt.cache_salt,
-                "stream_interval": self._stream_interval(stream, params),
-            }
-            for i, prompt in enumerate(prompts)
-        ]
-        views = kv_views.KV_VIEWS
-        views.follow_live_replicas()  # also lets the router's news reach this loop
-        if views.attached and len(views.live_replica_ids) > 1:  # else nothing to choose
-            for request, prompt in zip(requests, prompts):
-                hashes = views.routing_hashes(prompt.token_ids, prompt.cache_salt)
-                request[ROUTING_HASHES_KEY] = hashes
-        streams = EngineStreams(self.engine, requests, self.tokenizer, self.subscriber)
-        error = await streams.open()
-        return engine_error_response(error) if error is not None else streams
+    async def _save(self, response: dict[str, Any], record: dict[str, Any]) -> None:
+        if self.response_store is not None:
+            await self.response_store.put.remote(response["id"], record)
 
 
 # NOTE: at the end, as the builders bind `OpenAIIngress` (imported there when called); Serve

@@ -12,6 +12,11 @@ from ray.serve import Application
 
 from pagedray.cluster.engine_autoscaling import engine_autoscaling_config
 from pagedray.cluster.engine_deployment import DRAIN_POLL_S, drain_timeout_s, engine_deployment
+from pagedray.cluster.response_store_deployment import (
+    DEFAULT_MAX_RESPONSES,
+    DEFAULT_TTL_S,
+    ResponseStoreDeployment,
+)
 from pagedray.engine.config import EngineConfig
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -34,6 +39,8 @@ APP_ARGS = (
     "ingress_num_cpus",
     "routing",
     "routing_load_threshold",
+    "responses_max_stored",
+    "responses_ttl_s",
 )
 ROUTINGS = ("cache-aware", "power-of-two")
 
@@ -52,6 +59,8 @@ def build_openai_app(
     api_key_sha256: str | None = None,
     routing: str | None = None,
     routing_load_threshold: int | None = None,
+    responses_max_stored: int = DEFAULT_MAX_RESPONSES,
+    responses_ttl_s: float = DEFAULT_TTL_S,
 ) -> Application:
     """The ingress bound to `num_replicas` engines (or an autoscaled range of them).
 
@@ -63,6 +72,8 @@ def build_openai_app(
     cache-aware has the engines publish their prefix caches and the ingress follow them;
     `routing_load_threshold` (default `DEFAULT_LOAD_THRESHOLD`) is how many more ongoing
     requests than the lightest replica's the best-matching one may have and still be chosen.
+    The Responses API keeps up to `responses_max_stored` responses for `responses_ttl_s`
+    seconds each, in one `ResponseStore` replica every ingress replica shares.
     """
     max_engines = (autoscaling_config or {}).get("max_replicas", num_replicas)
     several = max_engines > 1 and config.enable_prefix_caching
@@ -99,7 +110,8 @@ def build_openai_app(
         graceful_shutdown_timeout_s=drain_timeout_s(config),
         graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )
-    return ingress.bind(engine, config.model_dump(), *astuple(guard))
+    store = ResponseStoreDeployment.bind(max_responses=responses_max_stored, ttl_s=responses_ttl_s)
+    return ingress.bind(engine, config.model_dump(), *astuple(guard), response_store=store)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -140,6 +152,8 @@ def build_app(args: dict[str, Any]) -> Application:
         ),
         routing=app_args.get("routing"),
         routing_load_threshold=_int_or_none(app_args.get("routing_load_threshold")),
+        responses_max_stored=int(app_args.get("responses_max_stored", DEFAULT_MAX_RESPONSES)),
+        responses_ttl_s=float(app_args.get("responses_ttl_s", DEFAULT_TTL_S)),
     )
 
 

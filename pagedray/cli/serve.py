@@ -98,6 +98,17 @@ def add_serve_parser(commands: Any) -> None:
         default=None,
         help="streamed responses send a chunk every N tokens (default 1: every token)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["auto", "hermes", "llama3_json"],
+        help="how tool_choice=auto reads calls from the text (default auto: by chat template)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: tool_choice=auto is always on here",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the API's address")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -130,8 +141,9 @@ def add_serve_parser(commands: Any) -> None:
         "a loopback address keeps every Ray port on loopback",
     )
     parser.add_argument(
-        "--dashboard-host", default=None, help="the local Ray dashboard's address (default: "
-        "--metrics-host)"
+        "--dashboard-host",
+        default=None,
+        help="the local Ray dashboard's address (default: --metrics-host)",
     )
     parser.add_argument(
         "--dashboard-port",
@@ -159,6 +171,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "dispatch": args.dispatch,
         "stream_interval": args.stream_interval,
+        "tool_call_parser": args.tool_call_parser,
         "num_replicas": args.num_replicas,
         "num_ingress_replicas": args.num_ingress_replicas,
         "min_replicas": args.min_replicas,

@@ -13,6 +13,7 @@ tokenized piece by piece: the template's special tokens as control tokens, every
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import secrets
 from typing import Any
@@ -44,21 +45,28 @@ class ChatTokenizer:
             self._text_backend = Tokenizer.from_str(backend.to_str())
             self._text_backend.encode_special_tokens = True
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The template applied to checked messages, with the assistant's turn opened."""
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+        """The template applied to checked messages (and `tools`, function definitions in
+        OpenAI's format), with the assistant's turn opened."""
         messages = check_messages(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("messages: this model's tokenizer has no chat template")
-        return self._apply(messages)
+        return self._apply(messages, tools)
 
-    def token_ids(self, messages: list[dict[str, Any]], text: str | None = None) -> list[int]:
+    def token_ids(
+        self,
+        messages: list[dict[str, Any]],
+        text: str | None = None,
+        tools: list[Any] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered conversation (`text`, if already rendered)."""
         messages = check_messages(messages)
         if text is None:
-            text = self.render(messages)
+            text = self.render(messages, tools)
         if self._special_re is None:  # no special tokens at all: nothing to forge
             return self.tokenizer.encode(text, add_special_tokens=False)
-        spans = self._content_spans(messages, text)
+        self._refuse_special_in_structure(messages, tools)
+        spans = self._content_spans(messages, text, tools)
         if spans is None or self._text_backend is None:
             # The template rewrites the content, or the tokenizer has no offsets: content with a
             # special-token string is refused rather than guessed at.
@@ -76,20 +84,35 @@ class ChatTokenizer:
             return list(ids)
         return self._piecewise(text, spans)
 
-    def _apply(self, messages: list[dict[str, Any]]) -> str:
+    def _apply(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
 
+    def _refuse_special_in_structure(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None
+    ) -> None:
+        """Tool definitions and tool calls are rendered as JSON outside any content span, so a
+        special-token string there would become a control token: such a request is refused."""
+        assert self._special_re is not None
+        if tools and self._special_re.search(json.dumps(tools, ensure_ascii=False)):
+            raise ValueError("tools: a tool definition contains a special token string")
+        for i, message in enumerate(messages):
+            structure = {k: v for k, v in message.items() if k not in ("role", "content")}
+            if structure and self._special_re.search(json.dumps(structure, ensure_ascii=False)):
+                raise ValueError(
+                    f"messages: message {i} tool fields contain a special token string"
+                )
+
     def _content_spans(
-        self, messages: list[dict[str, Any]], text: str
+        self, messages: list[dict[str, Any]], text: str, tools: list[Any] | None = None
     ) -> list[tuple[int, int]] | None:
         """Where each message's content lies in `text`, found by rendering placeholders in its
         place; None if the template does not put each content in verbatim, once."""
         nonce = secrets.token_hex(8)
         holders = [f"\ue000{nonce}.{i}\ue001" for i in range(len(messages))]
         skeleton = self._apply(
-            [{**message, "content": holder} for message, holder in zip(messages, holders)]
+            [{**message, "content": holder} for message, holder in zip(messages, holders)], tools
         )
         found = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
         spans, pieces, last, shift = [], [], 0, 0
@@ -148,8 +171,31 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"messages: message {i} content must be a string")
         if has_lone_surrogate(content):
             raise ValueError(f"messages: message {i} content contains a lone surrogate")
-        checked.append({"role": role, "content": content})
+        checked.append({"role": role, "content": content, **_tool_fields(i, message)})
     return checked
+
+
+def _tool_fields(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's `tool_calls` and a tool message's `tool_call_id`/`name`, as the template
+    reads them (each call `{"id", "type", "function": {"name", "arguments"}}`)."""
+    fields: dict[str, Any] = {}
+    calls = message.get("tool_calls")
+    if calls:
+        if message["role"] != "assistant" or not isinstance(calls, list):
+            raise ValueError(f"messages: message {index} tool_calls: only an assistant has them")
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            ok = isinstance(function, dict) and isinstance(function.get("name"), str)
+            if not ok or not isinstance(function.get("arguments", ""), str):
+                raise ValueError(
+                    f"messages: message {index} tool_calls: each needs a function with a "
+                    "name and arguments (a JSON string)"
+                )
+        fields["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            fields[key] = message[key]
+    return fields
 
 
 def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:

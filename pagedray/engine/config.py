@@ -57,6 +57,9 @@ class EngineConfig(BaseModel):
     # A streamed request gets a message once this many tokens have accumulated (the first token
     # and the finish at once), as vLLM's --stream-interval: fewer, larger messages through Serve.
     stream_interval: int = Field(1, ge=1)
+    # How `tool_choice="auto"` reads calls out of the text (vLLM's --tool-call-parser); "auto"
+    # picks by the chat template: <tool_call> blocks (Hermes, Qwen) or Llama 3's JSON calls.
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
 
     def served_name(self) -> str:
         """The name clients send as `model` and every metric's `model_name` tag."""

@@ -175,15 +175,18 @@ class PromptValidator:
             field,
         )
 
-    def chat_prompt_token_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Render a conversation with the chat template and tokenize it, content as text.
+    def chat_prompt_token_ids(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> list[int]:
+        """Render a conversation (and its `tools`) with the chat template and tokenize it,
+        content as text.
 
         Roles are system/user/assistant/tool and contents strings; a special-token string in a
         content is tokenized as text, never as the control token it spells.
         """
-        text = self.chat.render(messages)
+        text = self.chat.render(messages, tools)
         self.check_length("messages", text)
-        return self.chat.token_ids(messages, text)
+        return self.chat.token_ids(messages, text, tools)
 
 
 def _is_token_id(value: Any) -> bool:

@@ -18,6 +18,7 @@ from pagedray.openai.protocol import (
     TokenizeRequest,
 )
 from pagedray.openai.request_body import parse_json_body
+from pagedray.openai.tool_choice import tools_for_template
 from pagedray.scheduler.sampling_params import SamplingParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -53,7 +54,8 @@ def chat_prompt(
     """Sampling parameters and the conversation's validated prompt (content read as text)."""
     params = body.to_sampling_params()
     messages = [message.as_template_input() for message in body.messages]
-    token_ids = validator.chat_prompt_token_ids(messages)
+    tools = tools_for_template(body.tool_dicts()) or None
+    token_ids = validator.chat_prompt_token_ids(messages, tools)
     prompt = validator.validate(
         {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params
     )

@@ -11,6 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from pagedray.openai.constraints import (
+    ConstraintFields,
+    DeltaToolCall,
+    ToolCall,
+    ToolFields,
+)
 from pagedray.scheduler.sampling_params import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
@@ -20,6 +26,7 @@ from pagedray.scheduler.sampling_params import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
+from pagedray.scheduler.structured_outputs import StructuredOutputsParams
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -51,8 +58,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields both generation endpoints share: OpenAI's, plus vLLM's sampling extensions."""
+class _GenerationRequest(ConstraintFields):
+    """Fields both generation endpoints share: OpenAI's, plus vLLM's sampling extensions
+    (`response_format` and `structured_outputs` come from `ConstraintFields`)."""
 
     # Unknown fields are ignored, as OpenAI clients send fields that do not change sampling.
     model_config = ConfigDict(extra="ignore")
@@ -103,10 +111,15 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Raises ValueError "field: message" on an out-of-range value."""
         return SamplingParams(
+            structured_outputs=constraint,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -175,7 +188,9 @@ class CompletionRequest(_GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         # echo with logprobs: the prompt's tokens get logprobs too, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(
+            self.max_tokens, self.logprobs, prompt_logprobs, self.constraint()
+        )
 
 
 class ContentPart(BaseModel):
@@ -192,34 +207,41 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        extra = {
+            key: value
+            for key in ("tool_calls", "tool_call_id", "name")
+            if (value := getattr(self, key))
+        }
+        return {"role": self.role, "content": content or "", **extra}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = _bounded(None, **_COUNT)
     max_completion_tokens: int | None = _bounded(None, **_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = _bounded(None, **_LOGPROBS)
-    tools: list[dict[str, Any]] | None = _bounded(None, maxItems=0)  # not supported
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
         return self
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        constraint, forced = self.constraint(), self.tool_constraint()
+        if constraint is not None and forced is not None:
+            raise ValueError("tool_choice: a forced tool call cannot take a response_format too")
+        return self._sampling_params(max_tokens, logprobs, None, forced or constraint)
 
 
 class TokenizeRequest(BaseModel):
@@ -298,6 +320,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -321,6 +344,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

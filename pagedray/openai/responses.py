@@ -32,6 +32,7 @@ from pagedray.openai.serving import (
     UsageCounter,
     sse,
 )
+from pagedray.openai.tool_calls import ToolCallOutput
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ResponseContext:
     include_usage: bool = False
     echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
     echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
+    tool_calls: ToolCallOutput | None = None  # chat with tools: how text becomes calls
 
     @property
     def num_choices(self) -> int:
@@ -134,13 +136,18 @@ async def chat_response(
     if isinstance(collected, dict):
         return collected
     choices, usage = collected
+    messages = [ChatResponseMessage(content=c.text) for c in choices]
+    if ctx.tool_calls is not None:
+        for c, message in zip(choices, messages):
+            extracted = ctx.tool_calls.extract(c.text, c.finish_reason)
+            message.content, message.tool_calls, c.finish_reason = extracted
     return ChatCompletionResponse(
         id=ctx.request_id,
         model=ctx.model,
         choices=[
             ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(content=c.text),
+                message=messages[i],
                 logprobs=(
                     ChatChoiceLogprobs(content=c.chat_logprobs)
                     if ctx.num_logprobs is not None
@@ -163,7 +170,7 @@ async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> Asy
         for i in range(ctx.num_choices):
             choice = CompletionChoice(index=i, text=ctx.echo_text(i))
             yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
-    async for prompt_index, delta, usage in _deltas(streams):
+    async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
                 chunk = CompletionResponse(
@@ -202,7 +209,9 @@ async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIter
     for i in range(ctx.num_choices):
         role = DeltaMessage(role="assistant", content="")
         yield chunk([ChatCompletionStreamChoice(index=i, delta=role)])
-    async for prompt_index, delta, usage in _deltas(streams):
+    tools = ctx.tool_calls
+    tool_streams = [tools.streamer() for _ in range(ctx.num_choices)] if tools else None
+    async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
                 last = ChatCompletionChunk(
@@ -213,36 +222,43 @@ async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIter
         logprobs = None
         if ctx.num_logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=ctx.logprobs.chat(delta, ctx.num_logprobs))
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+        index = ctx.index(prompt_index, delta)
+        message, finish_reason = DeltaMessage(content=delta.text), delta.finish_reason
+        if tool_streams is not None:
+            finished = finish_reason is not None
+            message.content, message.tool_calls = tool_streams[index].feed(delta.text, finished)
+            finish_reason = tool_streams[index].finish_reason(finish_reason)
+        quiet = not (message.content or message.tool_calls) and finish_reason is None
+        if quiet and logprobs is None:
             continue
         choice = ChatCompletionStreamChoice(
-            index=ctx.index(prompt_index, delta),
-            delta=DeltaMessage(content=delta.text),
+            index=index,
+            delta=message,
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
         )
         yield chunk([choice])
     yield SSE_DONE
 
 
-async def _deltas(
+async def choice_deltas(
     streams: EngineStreams,
 ) -> AsyncIterator[tuple[int, ChoiceDelta | None, UsageCounter | None]]:
-    """Each delta with its prompt index, then (-1, None, usage); raises `_StreamError`."""
+    """Each delta with its prompt index, then (-1, None, usage); raises `StreamError`."""
     usage = UsageCounter()
     async with contextlib.aclosing(streams.merged()) as merged:
         async for prompt_index, output in merged:
             if output.error is not None:
                 # The client already has a 200 and some chunks: the error goes in-band.
-                raise _StreamError(output.error)
+                raise StreamError(output.error)
             usage.add(output)
             for delta in output.deltas:
                 yield prompt_index, delta, None
     yield -1, None, usage
 
 
-class _StreamError(Exception):
+class StreamError(Exception):
     def __init__(self, error: dict[str, Any]) -> None:
         super().__init__(error["message"])
         self.error = error
@@ -253,7 +269,7 @@ async def with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for text in chunks:
             yield text
-    except _StreamError as exc:
+    except StreamError as exc:
         info = {k: exc.error.get(k) for k in ("message", "type", "param")}
         yield sse({"error": {**info, "code": exc.error["status"]}})
         yield SSE_DONE

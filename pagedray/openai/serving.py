@@ -220,9 +220,11 @@ def bad_request(exc: Exception) -> JSONResponse:
 
 
 def _field_of(message: str) -> str | None:
-    """The field a "field: message" error names (the project's ValueError convention)."""
+    """The top-level field a "field: message" (or "field.sub: message") error names, the
+    project's ValueError convention."""
     field, sep, _ = message.partition(": ")
-    return field if sep and field.isidentifier() else None
+    parts = field.split(".")
+    return parts[0] if sep and all(part.isidentifier() for part in parts) else None
 
 
 def engine_error_response(error: dict[str, Any]) -> JSONResponse:

@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from pagedray.cache_dir import cache_dir
+from pagedray.tools.chat_template import CHAT_TEMPLATE
 
 __all__ = ["ARCHS", "DEFAULT_ARCH", "DEFAULT_PRESET", "PRESETS", "default_model_path", "make_model"]
 
@@ -60,7 +61,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_ARCH = "llama"
 DEFAULT_PRESET = "small"
 # Bump when the corpus, tokenizer recipe or init changes, so stale cached builds are not reused.
-CACHE_VERSION = "v1"
+CACHE_VERSION = "v2"
 
 _MODEL_CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -73,12 +74,6 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 # Ids at the top of the vocabulary are filled with reserved special tokens (as Llama 3 does), so
 # that every id the model can emit decodes to something.
 NUM_RESERVED = 8
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # NOTE: transformers 5 ignores tokenizer.json's pipeline for model_type qwen2 and rebuilds it as
 # Qwen2Tokenizer (NFC, this split regex, ByteLevel without its own regex). Every arch uses exactly
 # that pipeline, so AutoTokenizer and a plain `tokenizers.Tokenizer.from_file` agree on every id.
