@@ -34,6 +34,10 @@ MATCHED_BLOCKS_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096
 _CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 # What a request finishes with (`RequestStatus.finish_reason`; aborts are no success).
 FINISHED_REASONS = ("stop", "length")
+# The kinds of constraint a structured-output request has (`StructuredOutputsParams.key`).
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
+# From a cached mask of a few microseconds to a large schema's compile of a second.
+GRAMMAR_BUCKETS = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0]
 # The ingress's series exported as 0 before the first request: each generation route with each
 # status the ingress answers it with (ok, bad request, bad API key, unknown model, engine error,
 # engine overloaded or dead).
@@ -107,10 +111,28 @@ class EngineMetrics:
         self.batch_size = histogram(
             "pagedray_batch_size", "Sequences per step.", BATCH_SIZE_BUCKETS
         )
+        self.structured_output_requests = counter(
+            "pagedray_structured_output_requests",
+            "Requests whose output is constrained, by kind (json, regex, choice, grammar).",
+            ("kind",),
+        )
+        self.grammar_compile_time = histogram(
+            "pagedray_grammar_compile_seconds",
+            "Compiling a constraint not in the grammar cache (on the compile thread).",
+            GRAMMAR_BUCKETS,
+        )
+        self.grammar_bitmask_time = histogram(
+            "pagedray_grammar_bitmask_seconds",
+            "Filling a step's token bitmasks for its constrained sequences.",
+            GRAMMAR_BUCKETS,
+        )
         self._last_totals = dict.fromkeys(_CUMULATIVE_STATS, 0.0)
         for metric in vars(self).values():
-            if isinstance(metric, Counter) and metric is not self.request_success:
+            tagged = (self.request_success, self.structured_output_requests)
+            if isinstance(metric, Counter) and all(metric is not t for t in tagged):
                 _export_zero(metric)
+        for kind in CONSTRAINT_KINDS:
+            _export_zero(self.structured_output_requests, {"kind": kind})
         for reason in FINISHED_REASONS:
             _export_zero(self.request_success, {"finished_reason": reason})
 
@@ -140,6 +162,18 @@ class EngineMetrics:
             self.generation_tokens.inc(num_generation_tokens)
         for latency in inter_token_latencies:
             self.inter_token_latency.observe(latency)
+
+    def record_structured_request(self, kind: str) -> None:
+        self.structured_output_requests.inc(tags={"kind": kind})
+
+    def record_grammar(
+        self, bitmask_duration: float | None, compile_times: tuple[float, ...]
+    ) -> None:
+        """A step's bitmask time (None: it had no constrained row) and new grammars' compiles."""
+        if bitmask_duration is not None:
+            self.grammar_bitmask_time.observe(bitmask_duration)
+        for seconds in compile_times:
+            self.grammar_compile_time.observe(seconds)
 
     def record_prefilled(self, num_prompt_tokens: int) -> None:
         """An aborted request whose prompt was prefilled: its prompt tokens still count."""

@@ -46,6 +46,7 @@ class EngineCore:
         self.last_step_time = 0.0  # seconds, time.monotonic() at the end of the last step
         self.last_step_duration = 0.0  # seconds
         self.last_batch_size = 0  # sequences in the last step
+        self.last_bitmask_duration: float | None = None  # seconds; None: no constrained row
         # With `record_kv_events`: given each step's prefix-cache changes, on the stepping thread,
         # when there are any (a reset between steps comes with the next step's).
         self.kv_delta_listener: Callable[[KVCacheDelta], None] | None = None
@@ -75,7 +76,11 @@ class EngineCore:
             if not outputs:
                 self._wait_for_grammars()
             return outputs
+        bitmask_start = time.monotonic()
         scheduler_output.grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
+        self.last_bitmask_duration = (
+            time.monotonic() - bitmask_start if scheduler_output.grammar_bitmask else None
+        )
         runner_output = self.executor.execute_model(scheduler_output)
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
@@ -96,4 +101,11 @@ class EngineCore:
                 return
 
     def stats(self) -> dict[str, float]:
-        return {**self.scheduler.stats(), "num_steps": self.num_steps}
+        structured = self.scheduler.structured
+        grammar_stats = {}
+        if structured is not None:
+            grammar_stats = {
+                "num_grammars_compiled": structured.stats.num_compiled,
+                "num_grammar_cache_hits": structured.stats.num_cache_hits,
+            }
+        return {**self.scheduler.stats(), **grammar_stats, "num_steps": self.num_steps}

@@ -257,7 +257,7 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 record = None
                 if self.engine.num_steps > num_steps:
-                    record = StepRecord.of(self.engine, len(outputs))
+                    record = StepRecord.of(self.engine, sum(len(o.new_token_ids) for o in outputs))
                 finished_step = _FinishedStep(deltas, record)
         except asyncio.CancelledError:
             raise

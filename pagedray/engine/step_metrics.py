@@ -23,12 +23,21 @@ class StepRecord:
     end_time: float  # time.monotonic()
     duration: float  # seconds
     batch_size: int  # sequences scheduled
-    num_outputs: int  # sequences that sampled a token
+    num_tokens: int  # tokens the step produced (a forced EOS with the token before it)
+    bitmask_duration: float | None = None  # seconds filling grammar bitmasks; None: no grammar
+    grammar_compile_times: tuple[float, ...] = ()  # seconds, each grammar compiled since
 
     @classmethod
-    def of(cls, engine: EngineCore, num_outputs: int) -> StepRecord:
+    def of(cls, engine: EngineCore, num_tokens: int) -> StepRecord:
+        structured = engine.scheduler.structured
+        compile_times = tuple(structured.take_compile_times()) if structured else ()
         return cls(
-            engine.last_step_time, engine.last_step_duration, engine.last_batch_size, num_outputs
+            engine.last_step_time,
+            engine.last_step_duration,
+            engine.last_batch_size,
+            num_tokens,
+            engine.last_bitmask_duration,
+            compile_times,
         )
 
 
@@ -49,6 +58,9 @@ class StepMetricsRecorder:
     def admitted(self, request: Request) -> None:
         if self.metrics is not None:
             self._requests[request.req_id] = request
+            constraint = request.sampling_params.structured_outputs
+            if constraint is not None:
+                self.metrics.record_structured_request(constraint.key[0])
 
     def step(self, step: StepRecord, request_ids: list[str]) -> None:
         """A step; `request_ids` got tokens in it. Each of them that had a token before
@@ -63,7 +75,9 @@ class StepMetricsRecorder:
             if last is not None:
                 latencies.append(now - last)
             self._last_token_time[request_id] = now
-        self.metrics.record_step(step.duration, step.batch_size, step.num_outputs, latencies)
+        self.metrics.record_step(step.duration, step.batch_size, step.num_tokens, latencies)
+        if step.bitmask_duration is not None or step.grammar_compile_times:
+            self.metrics.record_grammar(step.bitmask_duration, step.grammar_compile_times)
 
     def finished(self, state: RequestState) -> None:
         request = self._requests.pop(state.request_id, None)

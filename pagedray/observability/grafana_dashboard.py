@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedray.observability.dashboard_panels import PANELS
+
 # Prometheus-side names: Ray exports `ray.util.metrics` with a `ray_` prefix, counters get
 # `_total`, histograms `_bucket`/`_sum`/`_count`. Every series carries a `model_name` tag.
 GAUGES = (
@@ -29,6 +31,7 @@ COUNTERS = (
     "ray_pagedray_request_success_total",  # tag finished_reason
     "ray_pagedray_http_requests_total",  # the ingress's; tags route, status
     "ray_pagedray_routed_requests_total",  # the engine router's (in the ingress); replica, reason
+    "ray_pagedray_structured_output_requests_total",  # tag kind
 )
 HISTOGRAMS = (
     "ray_pagedray_time_to_first_token_seconds",
@@ -39,22 +42,15 @@ HISTOGRAMS = (
     "ray_pagedray_batch_size",
     "ray_pagedray_http_request_latency_seconds",  # the ingress's; tag route
     "ray_pagedray_routing_matched_blocks",  # the engine router's
+    "ray_pagedray_grammar_compile_seconds",
+    "ray_pagedray_grammar_bitmask_seconds",
 )
 METRIC_NAMES = GAUGES + COUNTERS + HISTOGRAMS
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 DASHBOARD_UID = "pagedray"
 DEFAULT_OUTPUTS = (Path("deploy/grafana/pagedray.json"), Path("helm/pagedray/files/pagedray.json"))
-QUANTILES = (0.5, 0.9, 0.99)
-# The label selector every expression uses: the dashboard's variables. `job` keeps one scrape
-# job's view, since deploy/prometheus/ scrapes the head both by discovery and statically.
-SELECTOR = '{job=~"$job", model_name=~"$model_name"}'
-RATE_WINDOW = "[$__rate_interval]"
 PANEL_WIDTH, PANEL_HEIGHT = 12, 8
-
-
-def _rate(metric: str) -> str:
-    return f"rate({metric}{SELECTOR}{RATE_WINDOW})"
 
 
 def _target(expr: str, legend: str, ref_id: str) -> dict[str, Any]:
@@ -64,200 +60,6 @@ def _target(expr: str, legend: str, ref_id: str) -> dict[str, Any]:
         "legendFormat": legend,
         "refId": ref_id,
     }
-
-
-def _quantile_exprs(
-    histogram: str, quantiles: tuple[float, ...] = QUANTILES, by: tuple[str, ...] = ()
-) -> list[tuple[str, str]]:
-    """Quantiles over all replicas of the selected models (and per `by` label), from `_bucket`."""
-    labels = ", ".join(("le", *by, "model_name"))
-    legend = " ".join(f"{{{{{label}}}}}" for label in (*by, "model_name"))
-    buckets = f"sum by ({labels}) ({_rate(histogram + '_bucket')})"
-    return [
-        (f"histogram_quantile({q}, {buckets})", f"p{round(q * 100)} {legend}") for q in quantiles
-    ]
-
-
-def _mean_expr(histogram: str) -> tuple[str, str]:
-    total = f"sum by (model_name) ({_rate(histogram + '_sum')})"
-    count = f"sum by (model_name) ({_rate(histogram + '_count')})"
-    return f"{total} / {count}", "mean {{model_name}}"
-
-
-def _sum_by_model(expr: str) -> str:
-    return f"sum by (model_name) ({expr})"
-
-
-# Each panel: title, unit, description, [(PromQL, legend)]. Laid out two per row, in this order.
-PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
-    (
-        "Generation throughput",
-        "tps",
-        "Output tokens per second.",
-        [
-            (_sum_by_model(_rate("ray_pagedray_generation_tokens_total")), "{{model_name}}"),
-        ],
-    ),
-    (
-        "Prompt throughput",
-        "tps",
-        "Prompt tokens per second (prefilled or cached).",
-        [
-            (_sum_by_model(_rate("ray_pagedray_prompt_tokens_total")), "{{model_name}}"),
-        ],
-    ),
-    (
-        "Time to first token",
-        "s",
-        "Arrival to first output token.",
-        _quantile_exprs("ray_pagedray_time_to_first_token_seconds"),
-    ),
-    (
-        "Inter-token latency",
-        "s",
-        "Time between consecutive output tokens.",
-        _quantile_exprs("ray_pagedray_inter_token_latency_seconds"),
-    ),
-    (
-        "End-to-end request latency",
-        "s",
-        "Arrival to the last output token.",
-        _quantile_exprs("ray_pagedray_e2e_request_latency_seconds"),
-    ),
-    (
-        "Queue time",
-        "s",
-        "Time a request waited before its first schedule.",
-        _quantile_exprs("ray_pagedray_request_queue_time_seconds"),
-    ),
-    (
-        "KV cache usage",
-        "percentunit",
-        "Fraction of KV blocks in use, per engine replica.",
-        [
-            (
-                f"max by (model_name) (ray_pagedray_kv_cache_usage_perc{SELECTOR})",
-                "max {{model_name}}",
-            ),
-            (
-                f"avg by (model_name) (ray_pagedray_kv_cache_usage_perc{SELECTOR})",
-                "avg {{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "Prefix cache hit rate",
-        "percentunit",
-        "Prompt tokens found cached / tokens looked up.",
-        [
-            (
-                f"{_sum_by_model(_rate('ray_pagedray_prefix_cache_hits_total'))} / "
-                f"{_sum_by_model(_rate('ray_pagedray_prefix_cache_queries_total'))}",
-                "{{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "Running and waiting requests",
-        "short",
-        "Summed over engine replicas.",
-        [
-            (
-                _sum_by_model(f"ray_pagedray_num_requests_running{SELECTOR}"),
-                "running {{model_name}}",
-            ),
-            (
-                _sum_by_model(f"ray_pagedray_num_requests_waiting{SELECTOR}"),
-                "waiting {{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "Preemptions",
-        "ops",
-        "Requests preempted (blocks freed, recomputed later) per second.",
-        [
-            (_sum_by_model(_rate("ray_pagedray_num_preemptions_total")), "{{model_name}}"),
-        ],
-    ),
-    (
-        "Finished requests",
-        "reqps",
-        "Requests finished per second, by finish reason.",
-        [
-            (
-                f"sum by (model_name, finished_reason) "
-                f"({_rate('ray_pagedray_request_success_total')})",
-                "{{finished_reason}} {{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "Step time",
-        "s",
-        "One schedule → forward → update iteration.",
-        _quantile_exprs("ray_pagedray_step_time_seconds"),
-    ),
-    (
-        "Batch size",
-        "short",
-        "Sequences per step.",
-        [
-            _mean_expr("ray_pagedray_batch_size"),
-            *_quantile_exprs("ray_pagedray_batch_size"),
-        ],
-    ),
-    (
-        "HTTP requests by status",
-        "reqps",
-        "API requests the ingress answered per second, by HTTP status.",
-        [
-            (
-                f"sum by (model_name, status) ({_rate('ray_pagedray_http_requests_total')})",
-                "{{status}} {{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "HTTP request latency",
-        "s",
-        "Request received to response sent (a stream's last chunk), per route.",
-        _quantile_exprs("ray_pagedray_http_request_latency_seconds", (0.5, 0.99), ("route",)),
-    ),
-    (
-        "Routed requests per engine replica",
-        "reqps",
-        "Generation calls the router sent to each engine replica per second.",
-        [
-            (
-                f"sum by (model_name, replica) ({_rate('ray_pagedray_routed_requests_total')})",
-                "{{replica}} {{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "Routing decisions",
-        "reqps",
-        "Why calls went where they did: prefix_match (the replica caching most of the prompt), "
-        "load_fallback (the best match too loaded), no_match (nothing cached anywhere), "
-        "load_only (nothing to match: one engine or power-of-two routing).",
-        [
-            (
-                f"sum by (model_name, reason) ({_rate('ray_pagedray_routed_requests_total')})",
-                "{{reason}} {{model_name}}",
-            ),
-        ],
-    ),
-    (
-        "Matched prefix blocks per routed request",
-        "short",
-        "Leading KV blocks of a prompt that the replica it was routed to caches.",
-        [
-            _mean_expr("ray_pagedray_routing_matched_blocks"),
-            *_quantile_exprs("ray_pagedray_routing_matched_blocks", (0.5, 0.9)),
-        ],
-    ),
-]
 
 
 def _timeseries(
@@ -340,7 +142,7 @@ def build_dashboard() -> dict[str, Any]:
         "uid": DASHBOARD_UID,
         "title": "pagedray",
         "description": "pagedray LLM serving: throughput, latency, KV cache, scheduler, HTTP, "
-        "routing.",
+        "routing, structured outputs.",
         "tags": ["pagedray", "llm", "ray"],
         "timezone": "browser",
         "editable": True,

@@ -32,6 +32,9 @@ from pagedray.scheduler.sampling_params import SamplingParams
 
 MAX_TOKENS = 5
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+CHOICE = SamplingParams(
+    temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs={"choice": ["yes", "no"]}
+)
 # Ray's metrics agent exports every metrics_report_interval_ms (10 s by default).
 EXPORT_TIMEOUT_S = 30.0
 
@@ -286,13 +289,21 @@ def test_ray_exports_what_the_engine_records(ray_cluster: Any, tiny_llama: str) 
 
     async def run() -> tuple[dict[str, float], dict[str, float]]:
         await _serve(engine, prompts)
+        # One request constrained to a choice: the structured-output series.
+        num_constrained_tokens = 0
+        async for output in engine.add_request("choice", prompts[0], CHOICE):
+            num_constrained_tokens += sum(len(delta.token_ids) for delta in output.deltas)
+        await asyncio.sleep(0.05)
         expected = {
-            "ray_pagedray_time_to_first_token_seconds_count": num,
-            "ray_pagedray_e2e_request_latency_seconds_count": num,
-            "ray_pagedray_request_queue_time_seconds_count": num,
+            "ray_pagedray_time_to_first_token_seconds_count": num + 1,
+            "ray_pagedray_e2e_request_latency_seconds_count": num + 1,
+            "ray_pagedray_request_queue_time_seconds_count": num + 1,
             "ray_pagedray_request_success_total{length}": num,
-            "ray_pagedray_generation_tokens_total": num * MAX_TOKENS,
-            "ray_pagedray_prompt_tokens_total": float(sum(len(p) for p in prompts)),
+            "ray_pagedray_request_success_total{stop}": 1.0,
+            "ray_pagedray_generation_tokens_total": num * MAX_TOKENS + num_constrained_tokens,
+            "ray_pagedray_prompt_tokens_total": float(sum(map(len, prompts)) + len(prompts[0])),
+            "ray_pagedray_structured_output_requests_total": 1.0,  # {kind="choice"}, 0 for others
+            "ray_pagedray_grammar_compile_seconds_count": 1.0,
             "ray_pagedray_step_time_seconds_count": float(engine.engine.num_steps),
             "ray_pagedray_batch_size_count": float(engine.engine.num_steps),
             "ray_pagedray_num_requests_running": 0.0,
@@ -319,6 +330,7 @@ def test_ray_exports_what_the_engine_records(ray_cluster: Any, tiny_llama: str) 
     assert values["ray_pagedray_prefix_cache_hits_total"] >= 16 * (len(prompts) - 1)
     assert values["ray_pagedray_prefix_cache_queries_total"] >= sum(len(p) for p in prompts)
     assert values["ray_pagedray_inter_token_latency_seconds_count"] > 0
+    assert values["ray_pagedray_grammar_bitmask_seconds_count"] >= 1
 
 
 # The names operators' dashboards and alerts are built on. Changing one breaks them: a rename
@@ -343,6 +355,9 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_http_request_latency_seconds",
     "ray_pagedray_routed_requests_total",
     "ray_pagedray_routing_matched_blocks",
+    "ray_pagedray_structured_output_requests_total",
+    "ray_pagedray_grammar_compile_seconds",
+    "ray_pagedray_grammar_bitmask_seconds",
 )
 
 

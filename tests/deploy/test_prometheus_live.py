@@ -201,7 +201,13 @@ def test_prometheus_sees_what_pagedray_serve_records(
         time.sleep(SEEN_WAIT_S)  # a report and a scrape
         if (_value(prometheus(peak_query)) or 0) > 0 or time.monotonic() > deadline:
             break
-    num_requests = NUM_SHORT + num_long
+    # One constrained request: the structured-output series (it ends "stop", with its EOS).
+    body = {"model": MODEL, "prompt": "yes or no", "max_tokens": 8}
+    body["structured_outputs"] = {"choice": ["yes", "no"]}
+    constrained = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert constrained.status_code == 200, constrained.text
+    num_constrained_tokens = constrained.json()["usage"]["completion_tokens"]
+    num_requests = NUM_SHORT + num_long + 1
 
     def count(job: str) -> float | None:
         selector = f'job="{job}", model_name="{MODEL}"'
@@ -219,9 +225,9 @@ def test_prometheus_sees_what_pagedray_serve_records(
     successes = prometheus(
         f'sum(ray_pagedray_request_success_total{{{local}, finished_reason="length"}})'
     )
-    assert _value(successes) == num_requests
+    assert _value(successes) == num_requests - 1
     tokens = _value(prometheus(f"sum(ray_pagedray_generation_tokens_total{{{local}}})"))
-    assert tokens == NUM_SHORT * 8 + num_long * LONG_MAX_TOKENS
+    assert tokens == NUM_SHORT * 8 + num_long * LONG_MAX_TOKENS + num_constrained_tokens
     # The long request filled the cache while it ran; idle, it is empty again.
     assert (_value(prometheus(peak_query)) or 0) > 0
     for gauge in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
