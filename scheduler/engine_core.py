@@ -7,6 +7,7 @@ in-process model runner, or Ray worker actors behind one of the cluster's dispat
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Callable, Iterable, Protocol
 
 from pagedray.scheduler.config import SchedulerConfig
@@ -76,12 +77,18 @@ class EngineCore:
             if not outputs:
                 self._wait_for_grammars()
             return outputs
-        bitmask_start = time.monotonic()
-        scheduler_output.grammar_bitmask = self.scheduler.grammar_bitmask(scheduler_output)
-        self.last_bitmask_duration = (
-            time.monotonic() - bitmask_start if scheduler_output.grammar_bitmask else None
-        )
+        structured = self.scheduler.structured
+        rows = self.scheduler.grammar_rows(scheduler_output) if structured else {}
+        if structured is not None and rows:
+            # In-process, the masks are filled while the forward pass runs (the model runner
+            # waits for them before sampling); a plan that crosses processes carries them.
+            overlap = getattr(self.executor, "in_process", False)
+            fill = structured.bitmask_future if overlap else structured.bitmask
+            scheduler_output.grammar_bitmask = fill(rows)
         runner_output = self.executor.execute_model(scheduler_output)
+        if isinstance(scheduler_output.grammar_bitmask, Future):
+            scheduler_output.grammar_bitmask.result()  # done before any matcher advances
+        self.last_bitmask_duration = structured.stats.last_mask_s if structured and rows else None
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_time = time.monotonic()

@@ -6,6 +6,7 @@ that only diffs (`CachedRequestData`). No tensors and no request objects cross a
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -63,7 +64,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # tokens
     blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src block id, dst block id), run first
     finished_req_ids: list[str]  # sequences the workers drop: finished, aborted, preempted, forked
-    grammar_bitmask: GrammarBitmask | None = None  # set after scheduling, when any row has one
+    # Set after scheduling when any row has a grammar. In-process (never pickled) it may be a
+    # Future the scheduler fills while the forward pass runs; the model runner waits on it.
+    grammar_bitmask: GrammarBitmask | Future[GrammarBitmask] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -13,12 +13,11 @@ import time
 from typing import Iterable
 
 from pagedray.scheduler.config import SchedulerConfig
-from pagedray.scheduler.grammar import StructuredOutputManager
+from pagedray.scheduler.grammar import RequestGrammar, StructuredOutputManager
 from pagedray.scheduler.kv_cache_manager import KVCacheManager
 from pagedray.scheduler.limits import check_request_limits
 from pagedray.scheduler.messages import (
     CachedRequestData,
-    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     RequestError,
@@ -261,14 +260,14 @@ class Scheduler:
             error=error,
         )
 
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
-        """Allowed tokens of the constrained sequences that sample in this (scheduled) step."""
+    def grammar_rows(self, scheduler_output: SchedulerOutput) -> dict[str, RequestGrammar]:
+        """The grammars of the constrained sequences that sample in this (scheduled) step."""
         rows = {}
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests[req_id]
             if req.grammar is not None and req.num_computed_tokens >= req.num_tokens:
                 rows[req_id] = req.grammar
-        return self.structured.bitmask(rows) if rows and self.structured else None
+        return rows
 
     def _append(
         self, req: Request, token_ids: list[int], logprobs: list | None

@@ -7,6 +7,8 @@ on rank 0, samples the sequences whose every token is now computed.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 import torch
 
@@ -64,8 +66,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_idx])  # [num_samples, vocab]
         if self.sampler is None:
             return empty
-        if scheduler_output.grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, sample_req_ids, scheduler_output.grammar_bitmask)
+        bitmask = scheduler_output.grammar_bitmask
+        if bitmask is not None:
+            if isinstance(bitmask, Future):  # in-process: filled during the forward pass
+                bitmask = bitmask.result()
+            apply_grammar_bitmask(logits, sample_req_ids, bitmask)
         rows = [self._sampling_row(req_id) for req_id in sample_req_ids]
         sampled = self.sampler(logits, rows)
         ok = [i for i, row in enumerate(sampled) if row.error is None]

@@ -126,3 +126,27 @@ static inline float f32_r(float x) { return x; }
 
 DEFINE_LAYER_OPS(f32, float)
 DEFINE_LAYER_OPS(bf16, uint16_t)
+
+/* Structured outputs: logits[rows[i], t] = -inf for every token t that row i of the bitmask does
+ * not allow (bit t % 32 of word t / 32 clear). Tokens past the bitmask's words are not allowed.
+ * float32 logits only: the sampler's are float32 whatever the model's dtype. A word of all ones
+ * (inside a string, most of the vocabulary) costs one compare. */
+void apply_token_bitmask_f32(float* logits, int64_t logits_stride, int64_t vocab_size,
+                             const int32_t* words, int64_t words_per_row, const int64_t* rows,
+                             int64_t num_rows) {
+    /* NOTE: -inf from its bits: under -ffast-math the compiler may assume no float is infinite. */
+    const uint32_t neg_inf_bits = 0xFF800000u;
+    float neg_inf;
+    memcpy(&neg_inf, &neg_inf_bits, sizeof neg_inf);
+    for (int64_t i = 0; i < num_rows; ++i) {
+        float* row = logits + rows[i] * logits_stride;
+        const uint32_t* bits = (const uint32_t*)(words + i * words_per_row);
+        for (int64_t w = 0; w * 32 < vocab_size; ++w) {
+            const uint32_t word = w < words_per_row ? bits[w] : 0u;
+            if (word == 0xFFFFFFFFu) continue;
+            const int64_t end = (w + 1) * 32 < vocab_size ? (w + 1) * 32 : vocab_size;
+            for (int64_t t = w * 32; t < end; ++t)
+                if (!((word >> (t - w * 32)) & 1u)) row[t] = neg_inf;
+        }
+    }
+}

@@ -18,6 +18,9 @@ class UniProcExecutor:
     the process's compute thread (workers/compute_thread.py), so that OpenMP keeps one team.
     """
 
+    # The plan is handed over, not pickled: it may carry a grammar bitmask still being filled.
+    in_process = True
+
     def __init__(self, config: WorkerConfig) -> None:
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: the in-process executor runs exactly 1 rank")
