@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.scheduler.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

@@ -91,6 +91,9 @@ app.kubernetes.io/part-of: pagedray
 {{- if not (kindIs "invalid" $e.routingLoadThreshold) -}}
 {{- $_ := set $args "routing_load_threshold" (int $e.routingLoadThreshold) -}}
 {{- end -}}
+{{- if $e.toolCallParser -}}
+{{- $_ := set $args "tool_call_parser" $e.toolCallParser -}}
+{{- end -}}
 {{- if not (kindIs "invalid" $e.maxModelLen) -}}
 {{- $_ := set $args "max_model_len" (int $e.maxModelLen) -}}
 {{- end -}}
