@@ -161,10 +161,12 @@ def timed(name: str, run: Callable[[], list[list[int]]]) -> Result:
 # ---- pagedray --------------------------------------------------------------------------------
 
 
-def run_pagedray(path: str, workload: Workload, threads: int) -> Result:
+def run_pagedray(
+    path: str, workload: Workload, threads: int, device: str = "cpu", dtype: str = "float32"
+) -> Result:
     from pagedray import LLM, SamplingParams
 
-    llm = LLM(path, dtype="float32", num_threads=threads)
+    llm = LLM(path, dtype=dtype, num_threads=threads, device=device)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
 
     def generate(prompts: list[dict[str, Any]], output_lens: list[int]) -> list[list[int]]:
@@ -192,7 +194,13 @@ def run_pagedray(path: str, workload: Workload, threads: int) -> Result:
 # ---- transformers: continuous batching with its paged cache ----------------------------------
 
 
-def run_continuous(path: str, workload: Workload, max_batch_tokens: int) -> Result:
+def run_continuous(
+    path: str,
+    workload: Workload,
+    max_batch_tokens: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Result:
     """`generate_batch`'s own manager, fed request by request so each keeps its output length."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -200,9 +208,8 @@ def run_continuous(path: str, workload: Workload, max_batch_tokens: int) -> Resu
 
     # NOTE: on CPU continuous batching runs "sdpa" over its paged cache (flash needs CUDA; plain
     # "eager" becomes "paged|eager"); the manager would switch sdpa to flash if it were available.
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device)
     # eos_token_id=-1: negative ids are dropped from a request's EOS set, so EOS never stops one.
     generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
     page_size = 256  # transformers' default
@@ -262,13 +269,18 @@ def run_continuous(path: str, workload: Workload, max_batch_tokens: int) -> Resu
 # ---- transformers: static batching with model.generate ---------------------------------------
 
 
-def run_static(path: str, workload: Workload, batch_size: int) -> Result:
+def run_static(
+    path: str,
+    workload: Workload,
+    batch_size: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Result:
     """Batches of `batch_size` in arrival order, left-padded, each run to its longest target."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
     pad_id = 0
 
     def generate_batch(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
@@ -289,7 +301,9 @@ def run_static(path: str, workload: Workload, batch_size: int) -> Result:
         )
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
             )  # [batch, width + num_new]
         return [out[i, width : width + n].tolist() for i, n in enumerate(output_lens)]
 

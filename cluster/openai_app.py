@@ -81,6 +81,7 @@ from pagedray.openai.serving import (
     bad_request,
     engine_error_response,
     error_response,
+    logger,
 )
 
 # Threads per ingress replica that parse bodies and (de)tokenize, off the event loop: a huge
@@ -380,8 +381,10 @@ class OpenAIIngress(IngressBase):
         return record if record is not None else _response_not_found(response_id, param)
 
     async def _save(self, response: dict[str, Any], record: dict[str, Any]) -> None:
-        if self.response_store is not None:
-            await self.response_store.put.remote(response["id"], record)
+        if self.response_store is None:
+            return
+        if not await self.response_store.put.remote(response["id"], record):
+            logger.warning("response %s not stored: larger than the store", response["id"])
 
 
 # NOTE: at the end, as the builders bind `OpenAIIngress` (imported there when called); Serve

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterable, Protocol
 
 from pagedray.scheduler.config import SchedulerConfig
-from pagedray.scheduler.grammar import StructuredOutputManager
+from pagedray.scheduler.grammar import RequestGrammar, StructuredOutputManager
 from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.scheduler.outputs import EngineCoreOutput
@@ -78,7 +78,7 @@ class EngineCore:
                 self._wait_for_grammars()
             return outputs
         structured = self.scheduler.structured
-        rows = self.scheduler.grammar_rows(scheduler_output) if structured else {}
+        rows = self._grammar_rows(scheduler_output) if structured else {}
         if structured is not None and rows:
             # In-process, the masks are filled while the forward pass runs (the model runner
             # waits for them before sampling); a plan that crosses processes carries them.
@@ -99,6 +99,15 @@ class EngineCore:
             if delta:
                 self.kv_delta_listener(delta)
         return outputs
+
+    def _grammar_rows(self, scheduler_output: SchedulerOutput) -> dict[str, RequestGrammar]:
+        """The grammars of the constrained sequences that sample in this (scheduled) step."""
+        rows = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.scheduler.requests[req_id]
+            if req.grammar is not None and req.num_computed_tokens >= req.num_tokens:
+                rows[req_id] = req.grammar
+        return rows
 
     def _wait_for_grammars(self) -> None:
         """Nothing could run: if a grammar is compiling, idle on it briefly rather than spin."""

@@ -13,6 +13,7 @@ output tokens, which preemption keeps, so a recomputed sequence resumes where it
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -23,14 +24,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pagedray.scheduler.messages import GrammarBitmask
-from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams, compiled_grammar
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
 # Compiled templates kept for reuse: a service usually sees a handful of schemas again and again.
+# A very large spec is compiled each time rather than kept (a template's size is not known).
 MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_SPEC_CHARS = 64 * 1024
+# What a client is told when the grammar refused a token sampled under its own mask: a bug.
+GRAMMAR_REJECTED = (500, "structured output failed for this request (internal error)")
+
+logger = logging.getLogger(__name__)
 # From this many rows, on a machine with cores to spare, a step's masks are filled on
 # llguidance's thread pool; else one after another on the step's thread, which is faster for a
 # few rows (24 rows of a JSON schema on 2 cores: 55 us, against 206 us through the pool).
@@ -80,16 +86,20 @@ class RequestGrammar:
     def accept(self, token_ids: list[int]) -> bool:
         """Advance by sampled tokens; False if the grammar rejects one (the request must end)."""
         assert self.matcher is not None
-        return self.matcher.consume_tokens(token_ids)
+        if self.matcher.consume_tokens(token_ids):
+            return True
+        # NOTE: llguidance's own message dumps the parser state and grammar: a log, not a reply.
+        logger.error("grammar rejected sampled tokens %s: %s", token_ids, self.matcher.get_error())
+        return False
+
+    def cancel(self) -> None:
+        """The sequence ended: drop its compile if it has not started."""
+        self._future.cancel()
 
     @property
     def terminated(self) -> bool:
         """The output is complete: the grammar allows nothing more (but end of sequence)."""
         return self.matcher is not None and self.matcher.is_stopped()
-
-    def rejection(self) -> str:
-        assert self.matcher is not None
-        return self.matcher.get_error() or "the sampled token does not fit the grammar"
 
 
 @dataclass
@@ -162,7 +172,8 @@ class StructuredOutputManager:
         with self._lock:
             self._compile_times.append(time.perf_counter() - start)
             self.stats.num_compiled += 1
-            self._templates[key] = template
+            if len(key[1]) <= MAX_CACHED_SPEC_CHARS:
+                self._templates[key] = template
             if len(self._templates) > MAX_CACHED_GRAMMARS:
                 self._templates.popitem(last=False)
             return template.deep_copy()
@@ -190,10 +201,10 @@ class StructuredOutputManager:
         self.stats.last_mask_s = time.perf_counter() - start
         return GrammarBitmask(list(grammars), self.words_per_row, rows.tobytes())
 
-    def forced_eos(self, grammar: RequestGrammar, params: SamplingParams) -> int | None:
-        """The EOS token to end a complete output with, when nothing else could be sampled;
-        None while the grammar allows more, or when EOS would not end it (ignore_eos)."""
-        if not grammar.terminated or params.ignore_eos or not self.eos_token_ids:
+    def end_token(self, grammar: RequestGrammar) -> int | None:
+        """The EOS token that ends a complete output (nothing else could be sampled); None
+        while the grammar allows more, or for a model without EOS (it is then sampled)."""
+        if not grammar.terminated or not self.eos_token_ids:
             return None
         return self.eos_token_ids[0]
 

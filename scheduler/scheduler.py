@@ -13,7 +13,7 @@ import time
 from typing import Iterable
 
 from pagedray.scheduler.config import SchedulerConfig
-from pagedray.scheduler.grammar import RequestGrammar, StructuredOutputManager
+from pagedray.scheduler.grammar import GRAMMAR_REJECTED, StructuredOutputManager
 from pagedray.scheduler.kv_cache_manager import KVCacheManager
 from pagedray.scheduler.limits import check_request_limits
 from pagedray.scheduler.messages import (
@@ -75,8 +75,10 @@ class Scheduler:
             raise ValueError(f"request_id: {req.req_id!r} is already in use")
         self.check_limits(req.num_tokens, req.sampling_params.n)
         constraint = req.sampling_params.structured_outputs
-        if constraint is not None and self.structured is None:
-            raise ValueError("structured_outputs: this engine was built without a tokenizer")
+        if constraint is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs: this engine was built without a tokenizer")
+            req.grammar = self.structured.start(constraint)
         if (
             self.config.max_num_waiting is not None
             and len(self.waiting) >= self.config.max_num_waiting
@@ -85,8 +87,6 @@ class Scheduler:
         self.requests[req.req_id] = req
         priority = req.priority if self.config.policy == "priority" else 0
         self._queue_keys[req.req_id] = (priority, req.arrival_time, next(self._arrival_counter))
-        if constraint is not None and self.structured is not None:
-            req.grammar = self.structured.start(constraint)
         self._enqueue(req)
 
     def check_limits(self, num_prompt_tokens: int, n: int, max_tokens: int | None = None) -> None:
@@ -164,7 +164,8 @@ class Scheduler:
         return output
 
     def _make_room_for_priority(self) -> None:
-        head = self.waiting[0] if self.waiting else None
+        # NOTE: a request whose grammar still compiles cannot be admitted: it preempts no one.
+        head = next((r for r in self.waiting if r.grammar is None or r.grammar.ready()), None)
         for victim in priority_victims(head, self.running, self.config.max_num_seqs):
             self._preempt(victim)
 
@@ -243,12 +244,16 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue  # aborted meanwhile, or a sibling's failure already ended it
-            outputs.append(self._error_output(req, error))
-            self.finish_requests([req.parent_req_id or req.req_id], RequestStatus.FINISHED_ERROR)
+            outputs.append(self._end_with_error(req, error))
         return outputs
 
+    def _end_with_error(self, req: Request, error: RequestError) -> EngineCoreOutput:
+        """End every choice of `req`'s client request (blocks freed); the output that says so."""
+        output = self._error_output(req, error)
+        self.finish_requests([req.parent_req_id or req.req_id], RequestStatus.FINISHED_ERROR)
+        return output
+
     def _error_output(self, req: Request, error: RequestError) -> EngineCoreOutput:
-        """The output that ends every choice of `req`'s client request with `error`."""
         return EngineCoreOutput(
             req_id=req.parent_req_id or req.req_id,
             choice_index=0,
@@ -260,31 +265,21 @@ class Scheduler:
             error=error,
         )
 
-    def grammar_rows(self, scheduler_output: SchedulerOutput) -> dict[str, RequestGrammar]:
-        """The grammars of the constrained sequences that sample in this (scheduled) step."""
-        rows = {}
-        for req_id in scheduler_output.num_scheduled_tokens:
-            req = self.requests[req_id]
-            if req.grammar is not None and req.num_computed_tokens >= req.num_tokens:
-                rows[req_id] = req.grammar
-        return rows
-
     def _append(
         self, req: Request, token_ids: list[int], logprobs: list | None
     ) -> EngineCoreOutput:
         req.append_output_token_ids(token_ids)
-        if req.grammar is not None and not req.grammar.accept(token_ids):
-            error = (500, f"structured output: {req.grammar.rejection()}")
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            return self._error_output(req, error)
         status = self._stop_status(req)
-        if status is None and req.grammar is not None and self.structured is not None:
-            # A complete output can only be followed by EOS: appended now, not sampled next step.
-            eos = self.structured.forced_eos(req.grammar, req.sampling_params)
-            if eos is not None:
+        if req.grammar is not None and self.structured is not None:
+            if not req.grammar.accept(token_ids):  # masked: only a bug gets here
+                return self._end_with_error(req, GRAMMAR_REJECTED)
+            eos = self.structured.end_token(req.grammar)
+            if status is None and eos is not None:
+                # Complete: only EOS can follow, so it ends the output now rather than being
+                # sampled next step (also under ignore_eos or min_tokens: nothing else fits).
                 req.append_output_token_ids([eos])
                 token_ids, logprobs = [*token_ids, eos], logprobs and [*logprobs, ([eos], [0.0], 1)]
-                status = self._stop_status(req)
+                status = RequestStatus.FINISHED_STOPPED
         if status is not None:
             self._finish(req, status)
         first_output = req.num_output_tokens == len(token_ids)
@@ -325,6 +320,7 @@ class Scheduler:
         return [
             self._append(child, [token_ids[i]], [logprobs[i]] if logprobs else None)
             for i, child in enumerate(children)
+            if not child.is_finished  # a sibling's failure ends them all
         ]
 
     def _stop_status(self, req: Request) -> RequestStatus | None:
@@ -348,7 +344,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        req.grammar = None
+        if req.grammar is not None:
+            req.grammar.cancel()  # a compile not started yet is dropped
+            req.grammar = None
         self.kv_cache_manager.free(req)
         self.worker_view.forget(req.req_id)
         del self.requests[req.req_id]

@@ -10,9 +10,10 @@ here, with llguidance's own message, before anything is queued.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from typing import Any
 # parser work per token (its `LLParserLimits` defaults).
 MAX_SPEC_CHARS = 1_000_000
 MAX_CHOICES = 4_096
+MAX_CACHED_SPECS = 1_024
+MAX_CACHED_BYTES = 64 * 2**20
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # OpenAI's own structured outputs are compact JSON. llguidance's flexible whitespace lets a
 # model emit newlines and tabs between tokens, and a weak (or random) model can spend its whole
@@ -74,12 +77,35 @@ class StructuredOutputsParams:
 
 
 def compiled_grammar(key: tuple[str, str]) -> str:
-    """The llguidance grammar for a constraint's key; raises ValueError naming the problem."""
-    return _compiled_grammar(key)
+    """The llguidance grammar for a constraint's key; raises ValueError naming the problem.
+
+    Kept in a cache bounded by count and by bytes (a spec may be a megabyte; the ingress and
+    the engine each hold one)."""
+    with _CACHE_LOCK:
+        grammar = _CACHE.get(key)
+        if grammar is not None:
+            _CACHE.move_to_end(key)
+            return grammar
+    grammar = _compile(key)
+    size = len(key[1]) + len(grammar)
+    if size <= MAX_CACHED_BYTES // 16:  # no one spec may crowd out the rest
+        global _cache_bytes
+        with _CACHE_LOCK:
+            if key not in _CACHE:
+                _CACHE[key] = grammar
+                _cache_bytes += size
+            while len(_CACHE) > MAX_CACHED_SPECS or _cache_bytes > MAX_CACHED_BYTES:
+                old_key, old_grammar = _CACHE.popitem(last=False)
+                _cache_bytes -= len(old_key[1]) + len(old_grammar)
+    return grammar
 
 
-@functools.lru_cache(maxsize=1024)
-def _compiled_grammar(key: tuple[str, str]) -> str:
+_CACHE: OrderedDict[tuple[str, str], str] = OrderedDict()
+_CACHE_LOCK = threading.Lock()  # validation runs on the ingress's tokenizer threads
+_cache_bytes = 0
+
+
+def _compile(key: tuple[str, str]) -> str:
     from llguidance import LLMatcher
 
     kind, text = key
@@ -112,6 +138,8 @@ def _json_key(schema_text: str, whitespace_pattern: str | None) -> str:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"structured_outputs.json: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError("structured_outputs.json: nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError("structured_outputs.json: a JSON schema must be an object")
     defaults: dict[str, Any] = dict(_COMPACT_JSON)

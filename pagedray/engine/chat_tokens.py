@@ -18,6 +18,8 @@ import re
 import secrets
 from typing import Any
 
+from jinja2 import TemplateError
+
 from pagedray.engine.unicode_text import has_lone_surrogate
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -85,9 +87,14 @@ class ChatTokenizer:
         return self._piecewise(text, spans)
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            )
+        except (TemplateError, TypeError) as exc:
+            # The template's own refusals (raise_exception) and values it cannot render are
+            # the request's fault: a 400 naming them, never a 500.
+            raise ValueError(f"messages: the chat template refused them: {exc}") from None
 
     def _refuse_special_in_structure(
         self, messages: list[dict[str, Any]], tools: list[Any] | None
@@ -185,8 +192,9 @@ def _tool_fields(index: int, message: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"messages: message {index} tool_calls: only an assistant has them")
         for call in calls:
             function = call.get("function") if isinstance(call, dict) else None
-            ok = isinstance(function, dict) and isinstance(function.get("name"), str)
-            if not ok or not isinstance(function.get("arguments", ""), str):
+            if not isinstance(function, dict) or not all(
+                isinstance(function.get(key), str) for key in ("name", "arguments")
+            ):
                 raise ValueError(
                     f"messages: message {index} tool_calls: each needs a function with a "
                     "name and arguments (a JSON string)"

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from pagedray.openai.tool_choice import check_tools, tool_choice_schema
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams
@@ -148,12 +154,21 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaFunctionCall(BaseModel):
+class _WithoutNulls(BaseModel):
+    """Streamed tool-call deltas leave unset keys out, as OpenAI sends them: some clients merge
+    deltas key by key, and a null would overwrite what an earlier delta set."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_WithoutNulls):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

@@ -80,11 +80,16 @@ async def response_events(
     try:
         async for _, delta, usage in choice_deltas(streams):
             if delta is None:
-                for event in events.finish(finish_reason, _usage(usage)):
+                final_events = events.finish(finish_reason, _usage(usage))
+                if save is not None:  # before the client hears it is complete, and may follow up
+                    response = events.final_response()
+                    await save(response, job.record(response))
+                for event in final_events:
                     yield sse_event(event)
-                break
+                return
             finished = delta.finish_reason is not None
-            content, calls = delta.text, None
+            content: str | None = delta.text
+            calls = None
             if tools is not None:
                 content, calls = tools.feed(delta.text, finished)
             if finished:
@@ -101,10 +106,6 @@ async def response_events(
     except StreamError as exc:
         for event in events.error(exc.error["message"], str(exc.error["status"])):
             yield sse_event(event)
-        return
-    if save is not None:
-        response = events.final_response()
-        await save(response, job.record(response))
 
 
 def _usage(usage: UsageCounter | None) -> dict[str, Any]:

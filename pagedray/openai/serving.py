@@ -96,7 +96,7 @@ class LogprobFormatter:
 
     def completion(self, delta: ChoiceDelta, text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
-        for token_id, entries in zip(delta.token_ids, delta.logprobs or []):
+        for token_id, entries in zip(delta.token_ids, map(_finite, delta.logprobs or [])):
             token = self.token_str(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(entries.get(token_id))
@@ -111,7 +111,8 @@ class LogprobFormatter:
         """An echoed prompt's tokens: the first has no logprob (nothing precedes it)."""
         result = CompletionLogprobs()
         text_offset = 0
-        for token_id, entries in zip(token_ids, prompt_logprobs):
+        finite = [None if entries is None else _finite(entries) for entries in prompt_logprobs]
+        for token_id, entries in zip(token_ids, finite):
             token = self.token_str(token_id)
             result.tokens.append(token)
             result.token_logprobs.append(None if entries is None else entries.get(token_id))
@@ -124,7 +125,7 @@ class LogprobFormatter:
 
     def chat(self, delta: ChoiceDelta, num_top: int) -> list[ChatTokenLogprob]:
         result = []
-        for token_id, entries in zip(delta.token_ids, delta.logprobs or []):
+        for token_id, entries in zip(delta.token_ids, map(_finite, delta.logprobs or [])):
             # The entries hold the sampled token and the top k: the best k of them are the top k.
             top = sorted(entries.items(), key=lambda item: -item[1])[:num_top]
             result.append(
@@ -138,6 +139,15 @@ class LogprobFormatter:
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_str(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(self.token_bytes(token_id)))
+
+
+# A token the grammar (or logit_bias) ruled out has logprob -inf, which JSON cannot carry (it
+# would go out as null): vLLM's floor instead.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(entries: dict[int, float]) -> dict[int, float]:
+    return {token_id: max(logprob, MIN_LOGPROB) for token_id, logprob in entries.items()}
 
 
 def _text_length(token: str) -> int:

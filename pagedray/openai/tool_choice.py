@@ -21,6 +21,7 @@ from pagedray.openai.tool_parsers import (
 )
 
 # OpenAI's rule for function names.
+DEFINITION_KEYS = ("$defs", "definitions")
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICE_SHAPE = "'none', 'auto', 'required' or a named function"
 
@@ -110,7 +111,7 @@ def tool_choice_schema(
     if kind == "named":
         return _parameters(functions[name or ""])
     items: list[dict[str, Any]] = []
-    defs: dict[str, Any] = {}
+    defs: dict[str, dict[str, Any]] = {}
     for function_name, function in functions.items():
         parameters = _parameters(function)
         _lift_defs(parameters, defs)
@@ -128,16 +129,20 @@ def tool_choice_schema(
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema.update(defs)
     return schema
 
 
-def _lift_defs(parameters: dict[str, Any], defs: dict[str, Any]) -> None:
-    """Moves `$defs` to the root, where the parameters' "#/$defs/..." references now point."""
-    for name, definition in parameters.pop("$defs", {}).items():
-        if defs.setdefault(name, definition) != definition:
-            raise ValueError(f"tools: functions define $defs {name!r} differently")
+def _lift_defs(parameters: dict[str, Any], defs: dict[str, dict[str, Any]]) -> None:
+    """Moves `$defs` (and draft-07's `definitions`) to the root, where the parameters'
+    "#/$defs/..." and "#/definitions/..." references now point."""
+    for key in DEFINITION_KEYS:
+        lifted = parameters.pop(key, {})
+        if not isinstance(lifted, dict):
+            raise ValueError(f"tools: a function's parameters.{key} must be an object")
+        for name, definition in lifted.items():
+            if defs.setdefault(key, {}).setdefault(name, definition) != definition:
+                raise ValueError(f"tools: functions define {key} {name!r} differently")
 
 
 def constrained_tool_calls(

@@ -191,6 +191,20 @@ def test_completions_take_response_format_and_vllms_structured_outputs(
             "nope",
         ),
         ({"tool_choice": "required"}, "tool_choice", "requires tools"),
+        ({"structured_outputs": {"json": "[" * 50_000}}, "structured_outputs", "too deeply"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}],
+                    },
+                ]
+            },
+            "messages",
+            "arguments",
+        ),
     ],
 )
 def test_bad_constraints_are_400_naming_the_field(
@@ -201,6 +215,21 @@ def test_bad_constraints_are_400_naming_the_field(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_logprobs_of_ruled_out_tokens_are_finite(client: openai.OpenAI) -> None:
+    """Tokens the grammar rules out have logprob -inf, which JSON cannot carry: vLLM's floor."""
+    completion = _chat(
+        client,
+        logprobs=True,
+        top_logprobs=5,
+        max_tokens=5,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    entries = completion.choices[0].logprobs.content
+    assert entries
+    for entry in entries:
+        assert all(top.logprob is not None and top.logprob >= -9999.0 for top in entry.top_logprobs)
 
 
 # ---- tool calling ------------------------------------------------------------------------------
@@ -347,7 +376,13 @@ def test_responses_create_stream_retrieve(client: openai.OpenAI) -> None:
 def test_responses_function_tools(client: openai.OpenAI) -> None:
     tools = [{"type": "function", **SEARCH["function"]}]
     response = client.responses.create(
-        model=MODEL, input="Find ray", tools=tools, tool_choice="required", max_output_tokens=200
+        model=MODEL,
+        input="Find ray",
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.0,
+        max_output_tokens=200,
     )
     [call] = [item for item in response.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), PARAMETERS["search"])

@@ -291,3 +291,44 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(llm: LLM, monke
     assert failed.error is not None and "too complex for this tokenizer" in failed.error
     assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 4
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]  # nothing leaked
+
+
+@pytest.mark.parametrize(
+    "extra", [{"ignore_eos": True}, {"min_tokens": 50}], ids=["ignore_eos", "min_tokens"]
+)
+def test_a_complete_output_ends_whatever_eos_settings(llm: LLM, extra: dict[str, Any]) -> None:
+    """Nothing but EOS fits a complete output: it ends there, not with an error."""
+    params = SamplingParams(
+        temperature=1.0,
+        seed=2,
+        max_tokens=100,
+        structured_outputs={"choice": ["yes", "no"]},
+        **extra,
+    )
+    assert all(text in ("yes", "no") for text in _texts(llm, params))
+
+
+def test_a_rejected_token_ends_every_choice_and_nothing_else(llm: LLM, monkeypatch) -> None:
+    """A token the grammar refuses (only a bug could sample one) ends its whole request, every
+    choice of it, with an error; the engine and other requests go on, no block is kept."""
+    from pagedray.scheduler.grammar import RequestGrammar
+
+    accept = RequestGrammar.accept
+    calls = {"n": 0}
+
+    def flaky_accept(self: RequestGrammar, token_ids: list[int]) -> bool:
+        calls["n"] += 1
+        return accept(self, token_ids) and calls["n"] != 5
+
+    monkeypatch.setattr(RequestGrammar, "accept", flaky_accept)
+    constrained = SamplingParams(
+        temperature=1.0, seed=1, n=3, max_tokens=40, structured_outputs={"regex": "[a-z]{30}"}
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    failed, ok = llm.generate(["Hi", "Hello"], [constrained, free], use_tqdm=False)
+    assert failed.error is not None and "internal error" in failed.error
+    assert all(choice.finish_reason == "error" for choice in failed.outputs)
+    assert len(ok.outputs[0].token_ids) == 6
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
