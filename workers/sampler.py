@@ -152,6 +152,8 @@ def apply_top_k_top_p(
     # stays. Rows at top_p = 1 skip this: rounding could push the exclusive cumsum to 1.0.
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    # NOTE: explicitly, as a top_p below float32's range (1e-300) is 0 here and would drop it.
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
