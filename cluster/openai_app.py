@@ -73,7 +73,12 @@ from pagedray.openai.responses import (
     with_error_event,
 )
 from pagedray.openai.responses_api import ResponsesRequest, to_chat_body
-from pagedray.openai.responses_flow import ResponseJob, response_events, whole_response
+from pagedray.openai.responses_flow import (
+    ResponseJob,
+    in_responses_terms,
+    response_events,
+    whole_response,
+)
 from pagedray.openai.schema import declare_request_models, request_body, responses
 from pagedray.openai.serving import (
     HTTPMetricsMiddleware,
@@ -270,10 +275,10 @@ class OpenAIIngress(IngressBase):
         try:
             chat = ChatCompletionRequest.model_validate({**chat_body, "stream": body.stream})
         except ValidationError as exc:
-            return bad_request(exc)
+            return in_responses_terms(bad_request(exc))
         started = await self._start_chat(response_id, chat)
         if isinstance(started, Response):
-            return started
+            return in_responses_terms(started)
         job = ResponseJob(response_id, body, chat_body, self.model_name)
         save = self._save if body.store else None
         if body.stream:

@@ -7,6 +7,7 @@ ingress replicas, sharing one `ResponseStore` replica.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import time
@@ -414,6 +415,15 @@ def test_responses_unknown_and_unstored_ids_are_404(client: openai.OpenAI, url: 
         client.responses.retrieve(stored.id)
 
 
+def test_responses_errors_name_the_responses_fields(url: str) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 10**6}
+    response = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_output_tokens"
+    assert "'max_output_tokens' is too large" in error["message"], error
+
+
 def test_a_conversation_continues_on_any_ingress_and_engine(
     client: openai.OpenAI, url: str
 ) -> None:
@@ -427,12 +437,16 @@ def test_a_conversation_continues_on_any_ingress_and_engine(
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
     _wait_healthy(url)
     before = _steps_by_replica(url)
-    follow_ups = [
-        client.responses.create(
+
+    def follow_up(i: int) -> Any:
+        return client.responses.create(
             model=MODEL, previous_response_id=first.id, input=f"Turn {i}", max_output_tokens=3
         )
-        for i in range(8)
-    ]
+
+    # Concurrent, so that power-of-two routing spreads them by load (sent one at a time to idle
+    # engines, ties may all go one way).
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        follow_ups = list(pool.map(follow_up, range(16)))
     after = _steps_by_replica(url)
     assert all(f.usage.input_tokens > first.usage.total_tokens for f in follow_ups)
     assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after)

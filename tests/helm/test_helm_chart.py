@@ -415,3 +415,15 @@ def test_routing_load_threshold_reaches_the_app_only_when_set(chart: helm.Chart)
     assert args["routing_load_threshold"] == 8
     with pytest.raises(helm.HelmError, match="routingLoadThreshold"):
         render(chart, _merge(TP4_X2, {"engine": {"routingLoadThreshold": -1}}))
+
+
+@pytest.mark.parametrize(
+    ("extra", "seconds"),
+    [({}, 630), ({"request_timeout_s": 60}, 90), ({"request_timeout_s": 0}, 3630)],
+)
+def test_pods_wait_out_the_replicas_drain(chart: helm.Chart, extra: dict, seconds: int) -> None:
+    """Kubernetes' 30 s default would kill the streams a draining replica lets finish."""
+    rayservice = _rayservice(render(chart, {"engine": {"extraArgs": extra}}))
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in (cluster["headGroupSpec"], _gpu_group(rayservice)):
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] == seconds

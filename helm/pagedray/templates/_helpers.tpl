@@ -175,3 +175,15 @@ initContainers:
       - name: models
         mountPath: {{ $m.mountPath }}
 {{- end -}}
+
+{{/* Seconds Kubernetes waits for a stopping pod: what its replicas' drain may take (Serve's
+graceful_shutdown_timeout_s: the request timeout, or an hour without one, plus 25 s for the last
+streams and the margin; see cluster/engine_deployment.py), plus 5 s. Kubernetes' default, 30 s,
+would kill the streams a drain lets finish. */}}
+{{- define "pagedray.terminationGracePeriodSeconds" -}}
+{{- $timeout := 600 -}}
+{{- $extra := default dict .Values.engine.extraArgs -}}
+{{- if hasKey $extra "request_timeout_s" -}}{{- $timeout = int (get $extra "request_timeout_s") -}}{{- end -}}
+{{- if eq $timeout 0 -}}{{- $timeout = 3600 -}}{{- end -}}
+{{- add $timeout 30 -}}
+{{- end -}}
