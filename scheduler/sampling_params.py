@@ -72,7 +72,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = _structured_outputs(self.structured_outputs)
+            self.structured_outputs = StructuredOutputsParams.from_fields(self.structured_outputs)
         self.stop = _normalize_stop(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -186,14 +186,6 @@ def is_encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _structured_outputs(fields: dict[str, Any]) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(**fields)
-    except TypeError:
-        known = list(StructuredOutputsParams.__dataclass_fields__)
-        raise ValueError(f"structured_outputs: fields must be among {known}") from None
 
 
 def _normalize_stop(stop: Any) -> list[str]:

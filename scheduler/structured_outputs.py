@@ -60,6 +60,15 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json: must be a JSON schema object")
         compiled_grammar(self.key)  # raises ValueError naming the problem (cached)
 
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From a JSON object of its fields (an HTTP body's); raises ValueError naming them."""
+        try:
+            return cls(**fields)
+        except TypeError:
+            known = list(cls.__dataclass_fields__)
+            raise ValueError(f"structured_outputs: fields must be among {known}") from None
+
     @property
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints share one compiled grammar."""

@@ -87,11 +87,7 @@ class ConstraintFields(BaseModel):
             return _from_response_format(response_format)
         if self.structured_outputs is None:
             return None
-        try:
-            return StructuredOutputsParams(**self.structured_outputs)
-        except TypeError:
-            known = list(StructuredOutputsParams.__dataclass_fields__)
-            raise ValueError(f"structured_outputs: fields must be among {known}") from None
+        return StructuredOutputsParams.from_fields(self.structured_outputs)
 
 
 def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsParams:
