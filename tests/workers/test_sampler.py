@@ -13,6 +13,7 @@ from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.sampler import (
     Sampler,
     SamplingRow,
+    _inverse_cdf,
     apply_min_tokens,
     apply_penalties,
 )
@@ -327,3 +328,34 @@ def test_whatever_validation_accepts_the_sampler_samples(
     out = make_sampler()(random_logits(2), rows)
     assert [r.error for r in out] == [None, None]
     assert len(out[0].token_ids) == params.n and all(0 <= t < VOCAB for t in out[0].token_ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(
+        st.one_of(st.just(0.0), st.floats(1e-30, 1e3)), min_size=1, max_size=40
+    ).filter(lambda ws: any(w > 0 for w in ws)),
+    uniform=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2.0**-24), st.just(0.0)),
+)
+def test_inverse_cdf_never_draws_a_zero_weight_token(weights: list[float], uniform: float) -> None:
+    table = torch.tensor([weights], dtype=torch.float32)
+    [[token_id]] = _inverse_cdf(table, torch.tensor([[uniform]]))
+    assert 0 <= token_id < len(weights)
+    assert weights[token_id] > 0
+
+
+def test_inverse_cdf_draws_in_proportion_to_weights() -> None:
+    # Unnormalised weights over a vocabulary with holes, as top-k, top-p or a grammar leave.
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand(3, 1000, generator=generator) * (
+        torch.rand(3, 1000, generator=generator) > 0.5
+    )
+    weights[:, :4] = torch.tensor([300.0, 200.0, 100.0, 50.0])  # most of the mass, countable
+    num = 40000
+    drawn = torch.tensor(_inverse_cdf(weights, torch.rand(3, num, generator=generator)))
+    for row in range(3):
+        counts = torch.bincount(drawn[row], minlength=1000).float()
+        assert counts[weights[row] == 0].sum() == 0
+        expected = num * weights[row, :4] / weights[row].sum()
+        chi_square = (((counts[:4] - expected) ** 2) / expected).sum().item()
+        assert chi_square < 25.0  # df <= 4: p < 1e-4 for a correct draw
