@@ -106,7 +106,9 @@ class Worker:
             kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         sampler = None
         if self.rank == 0:
-            generator = torch.Generator(device="cpu").manual_seed(self.config.seed)
+            # On the logits' device: a draw takes its generator's device (a CPU generator
+            # cannot draw for CUDA logits).
+            generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
             sampler = Sampler(mc.eos_token_id, generator)
         if self.device.type == "cpu":
             # Decode steps run at batch sizes up to max_num_seqs: compile the small ones first.

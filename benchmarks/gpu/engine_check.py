@@ -5,7 +5,9 @@ throughput of a ~1B-parameter random Llama in bf16 against transformers' own bat
     python benchmarks/gpu/engine_check.py throughput --json out.json [--dry-run]
 
 `equality`: each architecture's tiny preset (seeded, offline), fp32, three prompts, 16 greedy
-tokens with EOS ignored: `LLM.generate` on CUDA must give transformers' `generate` tokens.
+tokens with EOS ignored: `LLM.generate` on CUDA must give transformers' `generate` tokens; then
+random sampling on the device (seeded and unseeded rows in one batch; a seeded request draws
+the same tokens alone as in the batch).
 `throughput`: TinyLlama's shape (22 layers, hidden 2048, GQA 32/4, about 1.1B parameters with
 this vocabulary) in bf16; 256 ShareGPT-like requests (benchmarks/offline_throughput.py's
 workload, EOS ignored, greedy) through pagedray, transformers' static `generate` (batches of 64,
@@ -79,7 +81,26 @@ def equality(device: str, folder: Path) -> dict[str, Any]:
                 theirs.append(out[0, len(prompt) :].tolist())
         results[arch] = {"equal": ours == theirs, "pagedray": ours, "transformers": theirs}
         print(arch, "equal" if ours == theirs else "DIFFERENT", flush=True)
+    results["sampled"] = sampled(device, folder / ARCHS[0])
     return results
+
+
+def sampled(device: str, path: Path) -> dict[str, Any]:
+    """Random sampling on the device: unseeded rows draw from the worker's generator, seeded
+    ones from their own; a seeded request draws the same tokens alone as beside others."""
+    from pagedray import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", device=device)
+    prompt = {"prompt_token_ids": list(range(5, 25))}
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    free = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([prompt, prompt, prompt], [free, seeded, free], use_tqdm=False)
+    llm.shutdown()
+    lengths = [len(out.outputs[0].token_ids) for out in batch]
+    ok = list(batch[1].outputs[0].token_ids) == list(alone) and lengths == [NUM_NEW_TOKENS] * 3
+    print("sampled", "ok" if ok else "DIFFERENT", flush=True)
+    return {"equal": ok, "seeded_alone": list(alone), "lengths": lengths}
 
 
 def throughput(device: str, folder: Path, dry_run: bool, json_path: str) -> dict[str, Any]:

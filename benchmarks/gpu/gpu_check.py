@@ -8,7 +8,8 @@ so far is kept, the next stage runs). Stages, most important first:
   env           device, driver, versions, memory
   kernels       `pytest -m gpu` (tests/attention/test_triton_gpu.py): every Triton kernel
                 against the torch reference in fp16, bf16 and fp32
-  equality      greedy tokens of `LLM.generate` on CUDA against transformers, four architectures
+  equality      greedy tokens of `LLM.generate` on CUDA against transformers, four architectures,
+                and random sampling on the device
   decode_table  the paged decode kernel's time and bandwidth against a device copy, SDPA over a
                 gathered cache and flex_attention (benchmarks/gpu/decode_table.py)
   throughput    a ~1B random Llama in bf16: pagedray against transformers' static and continuous
