@@ -26,6 +26,7 @@ import torch
 
 from pagedray.scheduler.messages import RequestError, TokenLogprobs
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.top_k_top_p import apply_top_k_top_p
 
 
 @dataclass
@@ -128,34 +129,6 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     presence = torch.tensor([r.params.presence_penalty for r in sub_rows], device=device)
     sub = sub - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * output_seen
     logits.index_copy_(0, index, sub)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Keeps each row's top_k tokens, then the smallest set whose probability reaches top_p.
-
-    Args:
-        logits: [num_rows, vocab_size] float32, already divided by temperature.
-        top_k: [num_rows] int64, 0 = off.
-        top_p: [num_rows] float32 in (0, 1], 1 = off.
-    Returns:
-        [num_rows, vocab_size] logits with dropped tokens at -inf.
-    """
-    vocab_size = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [num_rows, vocab_size]
-    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab_size]
-    k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)  # [num_rows, 1]
-    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # A token stays while the mass strictly before it is below top_p, so the top token always
-    # stays. Rows at top_p = 1 skip this: rounding could push the exclusive cumsum to 1.0.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    # NOTE: explicitly, as a top_p below float32's range (1e-300) is 0 here and would drop it.
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
 class Sampler:
