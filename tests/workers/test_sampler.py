@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.inverse_cdf import inverse_cdf, snap_to_weighted
 from pagedray.workers.sampler import (
     Sampler,
     SamplingRow,
-    _inverse_cdf,
     apply_min_tokens,
     apply_penalties,
 )
@@ -339,7 +339,7 @@ def test_whatever_validation_accepts_the_sampler_samples(
 )
 def test_inverse_cdf_never_draws_a_zero_weight_token(weights: list[float], uniform: float) -> None:
     table = torch.tensor([weights], dtype=torch.float32)
-    [[token_id]] = _inverse_cdf(table, torch.tensor([[uniform]]))
+    [[token_id]] = inverse_cdf(table, torch.tensor([[uniform]]))
     assert 0 <= token_id < len(weights)
     assert weights[token_id] > 0
 
@@ -352,10 +352,29 @@ def test_inverse_cdf_draws_in_proportion_to_weights() -> None:
     )
     weights[:, :4] = torch.tensor([300.0, 200.0, 100.0, 50.0])  # most of the mass, countable
     num = 40000
-    drawn = torch.tensor(_inverse_cdf(weights, torch.rand(3, num, generator=generator)))
+    drawn = torch.tensor(inverse_cdf(weights, torch.rand(3, num, generator=generator)))
     for row in range(3):
         counts = torch.bincount(drawn[row], minlength=1000).float()
         assert counts[weights[row] == 0].sum() == 0
         expected = num * weights[row, :4] / weights[row].sum()
         chi_square = (((counts[:4] - expected) ** 2) / expected).sum().item()
         assert chi_square < 25.0  # df <= 4: p < 1e-4 for a correct draw
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.sampled_from([0.0, 0.0, 1e-20, 0.5, 3.0]), min_size=1, max_size=30).filter(
+        lambda ws: any(w > 0 for w in ws)
+    ),
+    data=st.data(),
+)
+def test_snapped_draws_land_on_weighted_tokens(weights: list[float], data: st.DataObject) -> None:
+    # What a parallel scan's rounding can do: a draw on any token, or past the end.
+    drawn = data.draw(st.lists(st.integers(0, len(weights)), min_size=1, max_size=8))
+    table = torch.tensor([weights])
+    [snapped] = snap_to_weighted(table, torch.tensor([drawn])).tolist()
+    weighted = [i for i, w in enumerate(weights) if w > 0]
+    for original, token_id in zip(drawn, snapped):
+        assert weights[token_id] > 0
+        before = [i for i in weighted if i <= original]
+        assert token_id == (before[-1] if before else weighted[0])
