@@ -6,7 +6,7 @@ are selected first (`torch.topk`), then its best 4,096 where the vocabulary is l
 a row whenever its kept set lies among them: a top_k up to that many, or a nucleus that reaches
 top_p within them, the usual case for a trained model's peaked distribution. Only the other rows
 (a flat distribution's wide nucleus, a top_k past the candidates) are sorted whole, after the
-selections they did not settle in (about 25% more than sorting at once).
+selections they did not settle in (25-40% more than sorting at once).
 
 Both paths keep the same tokens (up to the order among equal logits, which neither defines):
 a row's top_k, then the smallest prefix of those, by probability under the top-k distribution,
