@@ -74,10 +74,7 @@ def _among_candidates(
     within = values.masked_fill(~kept, float("-inf")).logsumexp(dim=-1)  # [num_rows]
     normaliser = torch.where(k <= width, within, logits.logsumexp(dim=-1))  # [num_rows]
     probs = (values - normaliser.unsqueeze(1)).exp().masked_fill(~kept, 0.0)  # [num_rows, width]
-    # A token stays while the mass strictly before it is below top_p.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    drop[:, 0] = False  # also where top_p is below float32's range (0.0 here)
+    drop = _past_nucleus(probs, top_p)
     kept &= ~drop
     # mass_before only grows, so a dropped last candidate means every later token is dropped.
     settled = (k <= width) | (drop[:, -1] & (k == vocab_size))  # [num_rows]
@@ -95,12 +92,19 @@ def apply_top_k_top_p_sorted(
     positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, vocab_size]
     k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)  # [num_rows, 1]
     sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # A token stays while the mass strictly before it is below top_p, so the top token always
-    # stays. Rows at top_p = 1 skip this: rounding could push the exclusive cumsum to 1.0.
+    drop = _past_nucleus(sorted_logits.softmax(dim=-1), top_p)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[num_rows, n] bool: the tokens top_p drops from best-first probabilities [num_rows, n].
+
+    A token stays while the mass strictly before it is below top_p, so the top token always
+    stays. Rows at top_p = 1 skip this: rounding could push the exclusive cumsum to 1.0.
+    """
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     # NOTE: explicitly, as a top_p below float32's range (1e-300) is 0 here and would drop it.
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    return drop
