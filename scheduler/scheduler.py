@@ -14,12 +14,11 @@ from typing import Iterable
 
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.scheduler.grammar import GRAMMAR_REJECTED, StructuredOutputManager
-from pagedray.scheduler.kv_cache_manager import KVCacheManager
+from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedray.scheduler.limits import check_request_limits
 from pagedray.scheduler.messages import (
     CachedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     RequestError,
     SchedulerOutput,
 )
@@ -114,10 +113,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Running sequences first, then admissions; preempt when blocks run out."""
         budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        copies: list[tuple[int, int]] = []
+        plan = SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0, [], [])
         preempted = False
         if self.config.policy == "priority":
             self._make_room_for_priority()
@@ -136,32 +132,23 @@ class Scheduler:
                 allocation = self.kv_cache_manager.allocate_slots(req, num_new)
             if allocation is None:
                 break  # req preempted itself; everything after it was already preempted
-            self.worker_view.emit(req, allocation, new_reqs, cached)
-            copies.extend(allocation.copies)
-            num_scheduled[req.req_id] = num_new
+            self._plan(plan, req, allocation, num_new)
             budget -= num_new
             idx += 1
 
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs, cached, copies)
+            self._admit_waiting(plan, budget)
 
-        output = SchedulerOutput(
-            step_id=self._step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            blocks_to_copy=copies,
-            finished_req_ids=self.worker_view.take_finished(),
-        )
+        plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
+        plan.finished_req_ids = self.worker_view.take_finished()
         self._step_id += 1
-        self.num_computed_tokens_total += output.total_num_scheduled_tokens
-        self.num_cow_copies += len(copies)
-        for req_id, num_new in num_scheduled.items():
+        self.num_computed_tokens_total += plan.total_num_scheduled_tokens
+        self.num_cow_copies += len(plan.blocks_to_copy)
+        for req_id, num_new in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_new
         self.peak_num_running = max(self.peak_num_running, len(self.running))
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
-        return output
+        return plan
 
     def _make_room_for_priority(self) -> None:
         # NOTE: a request whose grammar still compiles cannot be admitted: it preempts no one.
@@ -169,14 +156,7 @@ class Scheduler:
         for victim in priority_victims(head, self.running, self.config.max_num_seqs):
             self._preempt(victim)
 
-    def _admit_waiting(
-        self,
-        budget: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-        cached: CachedRequestData,
-        copies: list[tuple[int, int]],
-    ) -> int:
+    def _admit_waiting(self, plan: SchedulerOutput, budget: int) -> None:
         # NOTE: an unforked n > 1 prompt counts as the n sequences it becomes after its prefill.
         num_running_seqs = sum(num_seqs(running_req) for running_req in self.running)
         idx = 0  # NOTE: a request whose grammar is still compiling is passed over, not waited on
@@ -204,22 +184,28 @@ class Scheduler:
                 req.scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self._add_running(req)
-            self.worker_view.emit(req, allocation, new_reqs, cached)
-            copies.extend(allocation.copies)
-            num_scheduled[req.req_id] = num_new
+            self._plan(plan, req, allocation, num_new)
             budget -= num_new
             num_running_seqs += req_num_seqs
-        return budget
+
+    def _plan(
+        self, plan: SchedulerOutput, req: Request, allocation: Allocation, num_new: int
+    ) -> None:
+        """Put `num_new` tokens of `req` in this step's plan, on the blocks just allocated."""
+        self.worker_view.emit(req, allocation, plan.scheduled_new_reqs, plan.scheduled_cached_reqs)
+        plan.blocks_to_copy.extend(allocation.copies)
+        plan.num_scheduled_tokens[req.req_id] = num_new
+        # Indexed now, not after the step (as vLLM does): a request admitted later in this very
+        # step reads the shared prefix this step computes instead of computing it again. Every
+        # layer stores the whole step's K/V before any attention reads it, and a sequence in the
+        # plan is never preempted later in the same `schedule()` (see `_pick_victim`).
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens + num_new)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply sampled tokens: fork n > 1 prompts, check stop conditions, free finished blocks."""
         outputs: list[EngineCoreOutput] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is not None and not req.is_finished:
-                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
         for req_id, (first_position, entries) in runner_output.prompt_logprobs.items():
             req = self.requests.get(req_id)
             if req is not None and not req.is_finished:

@@ -54,6 +54,16 @@ def test_greedy_tokens_identical_to_transformers(tiny_models, arch, config, hf_g
         assert stats["num_preemptions"] > 0
 
 
+def test_prompts_sent_together_share_a_prefix_computed_in_the_same_step(tiny_llama, hf_greedy):
+    """All prompts fit the first step: the last one reads the shared block the one before it
+    computes in that very step (stored before any attention reads it), with the same tokens."""
+    prompts = _prompts(vocab=500)
+    ours, stats = _ours(tiny_llama, prompts)
+    assert ours == hf_greedy(tiny_llama, prompts, MAX_NEW)
+    assert stats["num_steps"] == MAX_NEW  # one prefill step for all: no hit came from a later one
+    assert stats["prefix_cache_hits"] == 16
+
+
 def test_prefix_cache_rerun_gives_same_tokens(tiny_llama, hf_greedy):
     prompts = _prompts(vocab=500)
     llm = LLM(tiny_llama, dtype="float32")

@@ -345,6 +345,47 @@ def test_chunked_prefill_runs_alongside_decodes() -> None:
 # ---- prefix caching -------------------------------------------------------------------------
 
 
+def test_prefix_computed_in_this_step_is_read_by_a_request_admitted_after_it() -> None:
+    """Two requests that arrive together compute their shared prefix once, in the same step
+    (every layer stores the step's K/V before attention reads it, as the stand-in checks)."""
+    scheduler, worker = make_scheduler(), StandInWorker(4)
+    prompt_a, prompt_b = list(range(10)), list(range(8)) + [11, 12, 11]
+    scheduler.add_request(make_request("a", prompt_a, max_tokens=3))
+    scheduler.add_request(make_request("b", prompt_b, max_tokens=3))
+    results: dict = {}
+    plan, _ = step(scheduler, worker, results)
+    new_a, new_b = plan.scheduled_new_reqs
+    assert (new_a.num_computed_tokens, new_b.num_computed_tokens) == (0, 8)
+    assert new_b.block_ids[:2] == new_a.block_ids[:2]
+    assert plan.num_scheduled_tokens == {"a": 10, "b": 3}
+    assert scheduler.stats()["prefix_cache_hits"] == 8
+    run_all(scheduler, worker, results)
+    assert results == {
+        **expected(scheduler, "a", prompt_a, max_tokens=3),
+        **expected(scheduler, "b", prompt_b, max_tokens=3),
+    }
+
+
+def test_a_running_chunk_shares_the_blocks_its_step_fills() -> None:
+    """`a`'s prefill runs in two chunks; `b`, admitted beside the second, reads both blocks that
+    chunk fills rather than only the one the first chunk left in the cache."""
+    scheduler, worker = make_scheduler(max_num_batched_tokens=7), StandInWorker(4)
+    prompt_a, prompt_b = list(range(10)), list(range(8)) + [12]
+    scheduler.add_request(make_request("a", prompt_a, max_tokens=2))
+    results: dict = {}
+    plan, _ = step(scheduler, worker, results)
+    assert plan.num_scheduled_tokens == {"a": 7}
+    scheduler.add_request(make_request("b", prompt_b, max_tokens=2))
+    plan, _ = step(scheduler, worker, results)
+    assert plan.num_scheduled_tokens == {"a": 3, "b": 1}
+    assert plan.scheduled_new_reqs[0].num_computed_tokens == 8
+    run_all(scheduler, worker, results)
+    assert results == {
+        **expected(scheduler, "a", prompt_a, max_tokens=2),
+        **expected(scheduler, "b", prompt_b, max_tokens=2),
+    }
+
+
 def test_shared_prefix_is_admitted_as_computed() -> None:
     scheduler, worker = make_scheduler(), StandInWorker(4)
     prompt_a = list(range(10))
