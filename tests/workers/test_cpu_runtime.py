@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import textwrap
@@ -82,6 +83,32 @@ def test_kv_pool_zeroed_on_huge_pages() -> None:
     huge = cpu_runtime.HUGE_PAGE_BYTES
     first_whole_page = -(-pool.data_ptr() // huge) * huge  # the advice covers whole pages only
     assert _thp_eligible(first_whole_page, first_whole_page + huge)
+
+
+def test_kv_pool_is_faulted_in_as_it_is_written() -> None:
+    """A 1 GiB pool costs no memory at start (a load does not wait for a gigabyte to be faulted
+    in); the pages a write reaches read back, the rest stay zero."""
+    if platform.system() != "Linux":
+        pytest.skip("lazy zero pages are the Linux path; elsewhere the pool is torch.zeros")
+    before = _rss_bytes()
+    pool = cpu_runtime.zeros_on_huge_pages((1024, 256, 1024), torch.float32)  # 1 GiB
+    assert _rss_bytes() - before < 64 << 20
+    pool[7].fill_(3.0)
+    assert pool[7].eq(3.0).all() and not pool[6].any() and not pool[8].any()
+
+
+def test_kv_pool_larger_than_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    if platform.system() != "Linux":
+        pytest.skip("MemAvailable is read from /proc/meminfo")
+    monkeypatch.setattr(cpu_runtime, "_available_memory_bytes", lambda: 16 << 20)
+    with pytest.raises(MemoryError, match="lower kv_cache_memory_gb"):
+        cpu_runtime.zeros_on_huge_pages((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
 
 
 def _thp_eligible(start: int, end: int) -> bool:
