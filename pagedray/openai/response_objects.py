@@ -12,12 +12,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from pagedray.openai.serving import LINE_BREAKS_IN_JSON
+
 if TYPE_CHECKING:  # only a type here; responses_api re-exports this module's API
     from pagedray.openai.responses_api import ResponsesRequest
 
-# As serving.sse: these three are line breaks to some line readers (Python's str.splitlines
-# among them), so they must not appear raw inside one SSE data line.
-_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 # ---- whole responses ---------------------------------------------------------------------------
 
@@ -196,7 +195,7 @@ def response_object(
 
 def sse_event(event: dict) -> str:
     """One event framed as OpenAI streams Responses: `event: <type>` then one `data:` line."""
-    data = json.dumps(event, ensure_ascii=False).translate(_LINE_BREAKS_IN_JSON)
+    data = json.dumps(event, ensure_ascii=False).translate(LINE_BREAKS_IN_JSON)
     return f"event: {event['type']}\ndata: {data}\n\n"
 
 

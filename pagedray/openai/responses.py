@@ -32,6 +32,7 @@ from pagedray.openai.serving import (
     UsageCounter,
     sse,
 )
+from pagedray.openai.text_chunks import TextChunkTemplate
 from pagedray.openai.tool_calls import ToolCallOutput
 
 
@@ -165,6 +166,11 @@ async def chat_response(
 async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
     """`text_completion` chunks, then a usage chunk if asked, then `[DONE]`."""
     offsets = [len(ctx.echo_text(i)) for i in range(ctx.num_choices)]
+    text_only = TextChunkTemplate(
+        lambda i, text: CompletionResponse(
+            id=ctx.request_id, model=ctx.model, choices=[CompletionChoice(index=i, text=text)]
+        )
+    )
     # With logprobs, a choice's echo waits for its first delta, which brings the prompt's.
     if ctx.echo and ctx.num_logprobs is None:
         for i in range(ctx.num_choices):
@@ -187,7 +193,9 @@ async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> Asy
         if ctx.num_logprobs is not None:
             logprobs = ctx.logprobs.completion(delta, offsets[index])
         offsets[index] += len(delta.text)
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+        if delta.finish_reason is None and logprobs is None:
+            if delta.text:  # text alone: most chunks
+                yield text_only.event(index, delta.text)
             continue
         choice = CompletionChoice(
             index=index,
@@ -203,8 +211,17 @@ async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> Asy
 async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
     """A role chunk per choice, content chunks, a usage chunk if asked, then `[DONE]`."""
 
+    def model(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=ctx.request_id, model=ctx.model, choices=choices)
+
     def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-        return sse(ChatCompletionChunk(id=ctx.request_id, model=ctx.model, choices=choices))
+        return sse(model(choices))
+
+    text_only = TextChunkTemplate(
+        lambda i, text: model(
+            [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=text))]
+        )
+    )
 
     for i in range(ctx.num_choices):
         role = DeltaMessage(role="assistant", content="")
@@ -230,6 +247,9 @@ async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIter
             finish_reason = tool_streams[index].finish_reason(finish_reason)
         quiet = not (message.content or message.tool_calls) and finish_reason is None
         if quiet and logprobs is None:
+            continue
+        if not message.tool_calls and finish_reason is None and logprobs is None:
+            yield text_only.event(index, message.content or "")  # text alone: most chunks
             continue
         choice = ChatCompletionStreamChoice(
             index=index,

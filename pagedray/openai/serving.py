@@ -191,7 +191,7 @@ def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
 # Characters JSON leaves unescaped that many clients' line readers (httpx's `iter_lines`, any
 # `str.splitlines`) take for line breaks: raw in a streamed text, they cut the event's JSON in
 # two. Escaped, the JSON decodes to the same text and every event stays one line.
-_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -200,7 +200,7 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
         data = payload.model_dump_json()
     else:
         data = json.dumps(payload)
-    return f"data: {data.translate(_LINE_BREAKS_IN_JSON)}\n\n"
+    return f"data: {data.translate(LINE_BREAKS_IN_JSON)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
