@@ -59,6 +59,7 @@ from offline_throughput import benchmark_workload
 from vllm_offline import Cell, add_vllm_args, report, run_cell, vllm_env
 from vllm_peer_tools import (
     MODEL_ROLES,
+    SERVING_PATH_ROLES,
     CpuTimeline,
     Guidellm,
     Profile,
@@ -195,6 +196,8 @@ def report_served(served: dict[str, list[Served]], offline: Cell | None, streams
         print(f"  {system}: server {ms(sorted(roles)):.3f} ({parts}); guidellm client {client:.3f}")
         outside = sorted(roles - MODEL_ROLES)
         print(f"    outside the model ({', '.join(outside)}): {ms(outside):.3f}")
+        path = sorted(roles & SERVING_PATH_ROLES)
+        print(f"    of it the serving path ({', '.join(path)}): {ms(path):.3f}")
         if max(s.others_share for s in runs) >= CONTENDED:
             print(f"WARNING: other processes used the CPUs during {system}'s concurrent run(s)")
 

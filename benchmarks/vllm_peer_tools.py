@@ -19,6 +19,7 @@ from typing import IO, Any, Callable
 from http_throughput import (
     CLOCK_TICKS,
     EXIT_WAIT_S,
+    LOOP_PART,
     MODEL_PART,
     Server,
     _stat_fields,
@@ -33,6 +34,15 @@ WORKER = Path(__file__).with_name("vllm_peer_worker.py")
 # Roles whose CPU runs the model: pagedray's compute thread and its OpenMP threads (or its TP
 # worker actors), vLLM's worker process; the rest of a server's CPU is the serving path's.
 MODEL_ROLES = {f"engine replica: {MODEL_PART}", "worker actors", "worker"}
+# The serving path, as P6's CPU target counts it (ingress, proxy, engine loop): every process
+# outside the model but Ray's own daemons, which an idle server pays as much as a busy one.
+SERVING_PATH_ROLES = {
+    "ingress replica",
+    "Serve proxy",
+    f"engine replica: {LOOP_PART}",
+    "API server",
+    "engine core",
+}
 # Environment variables that would point vLLM's interpreter at our packages or our Ray.
 FOREIGN_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RAY_ADDRESS")
 OFFLINE_TIMEOUT_S = 900.0
