@@ -12,17 +12,19 @@ threshold) come from the heap, and up to `TRIM_THRESHOLD_BYTES` of freed heap st
 
 With tcmalloc or another allocator preloaded (vLLM's CPU docs' advice), this does nothing.
 
-2. Pages of the KV pool. A pool of gigabytes whose blocks a decode step reads in no order spends
-its time in TLB misses on 4 KiB pages (a decode step over 64 sequences of 116 tokens in a 1 GiB
-pool: 382 us a layer against 126 us when the same blocks sit together). Where the kernel leaves
-transparent huge pages to `madvise` (the common default), the pool asks for 2 MiB pages before
-its memory is first touched. The kernel then faults the whole pool in at start with one
-madvise(MADV_POPULATE_WRITE) over a private anonymous mapping, which reads as zeros: no second
-pass of zeroing in user space, which took 16 s for a 4 GiB pool on this VM against 2.8-5.5 s
-(most of either is the kernel compacting memory for 2 MiB pages). Left to fault in as blocks are
-first written, the pool cost nothing at load but runs that reached fresh blocks slowed by up to
-a fifth while memory was fragmented, so it is populated up front, and a pool larger than the
-memory available is refused then rather than killed under load.
+2. Pages of the KV pool. The pool is faulted in at start by the kernel, with one
+madvise(MADV_POPULATE_WRITE) over a private anonymous mapping, which reads as zeros: no pass of
+zeroing in user space (torch.zeros wrote every page after the kernel had zeroed it), and a pool
+larger than the memory available is refused then rather than killed under load. (Faulted in
+as blocks were first written instead, runs that reached fresh blocks slowed.)
+It stays on 4 KiB pages unless PAGEDRAY_KV_HUGE_PAGES=1 asks for transparent huge pages: where
+the kernel leaves those to `madvise` (the common default) it compacts memory to find 2 MiB pages
+for an advised region as it faults it in, and on this VM that made the first `LLM()` of a
+process take 18-20 s for a 2 GiB pool against 1.6-1.9 s, while offline throughput on 4 KiB pages
+was the same or higher (prefix512: 2,451-3,290 against 2,444-2,978 output tok/s, interleaved;
+sharegpt 3,525-4,191 against 3,225-3,415). The TLB misses that huge pages spare showed in a
+kernel benchmark over blocks scattered through a 1 GiB pool (382 against 126 us a layer), not
+in the engine, which hands out a fresh pool's blocks in address order.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ TOP_PAD_BYTES = 64 << 20  # the heap grows by at least this much at a time
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
+KV_HUGE_PAGES_ENV = "PAGEDRAY_KV_HUGE_PAGES"  # "1": the KV pool on transparent huge pages
 HUGE_PAGE_BYTES = 2 << 20
 
 # Allocators that replace malloc when preloaded: glibc's tuning would then be moot.
@@ -91,9 +94,10 @@ def preloaded_allocator() -> str | None:
     return None
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on transparent huge pages where the kernel takes the advice, its
-    pages faulted in now. Raises MemoryError if it exceeds the memory available.
+def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor, its pages faulted in now; on transparent huge pages where asked
+    (PAGEDRAY_KV_HUGE_PAGES=1) and the kernel takes the advice. Raises MemoryError if it exceeds
+    the memory available.
 
     Plain torch.zeros off Linux.
     """
@@ -113,7 +117,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
     length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # the spare page covers the tail
-    if not _madvise(tensor.data_ptr(), length, _MADV_HUGEPAGE):
+    huge = os.environ.get(KV_HUGE_PAGES_ENV, "0") == "1"
+    if huge and not _madvise(tensor.data_ptr(), length, _MADV_HUGEPAGE):
         logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
     if not _madvise(tensor.data_ptr(), length, _MADV_POPULATE_WRITE):  # before Linux 5.14
         tensor.zero_()  # touched from user space instead: the zeros are written again

@@ -10,7 +10,7 @@ import torch
 
 from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
-from pagedray.workers.cpu_runtime import tune_malloc, zeros_on_huge_pages
+from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
 from pagedray.workers.layers.gemm import pack_module_weights, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
@@ -101,7 +101,7 @@ class Worker:
         # NOTE: zeros, not empty: padded attention reads unused slots with zero weight, and
         # 0 * NaN from uninitialised memory would poison the output.
         if self.device.type == "cpu":
-            kv_cache = zeros_on_huge_pages(shape, mc.dtype)
+            kv_cache = kv_pool_zeros(shape, mc.dtype)
         else:
             kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         sampler = None

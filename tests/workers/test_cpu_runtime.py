@@ -67,8 +67,9 @@ def test_preloaded_allocator_is_recognised(monkeypatch: pytest.MonkeyPatch) -> N
     assert cpu_runtime.preloaded_allocator() is None
 
 
-def test_kv_pool_zeroed_on_huge_pages() -> None:
-    pool = cpu_runtime.zeros_on_huge_pages((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
+def test_kv_pool_on_huge_pages_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_runtime.KV_HUGE_PAGES_ENV, "1")
+    pool = cpu_runtime.kv_pool_zeros((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
     assert pool.shape == (3, 2, 512, 16, 2, 64) and pool.dtype == torch.float32
     assert not pool.any()
     try:
@@ -90,7 +91,7 @@ def test_kv_pool_is_resident_once_made() -> None:
     if platform.system() != "Linux":
         pytest.skip("the populated mapping is the Linux path; elsewhere the pool is torch.zeros")
     before = _rss_bytes()
-    pool = cpu_runtime.zeros_on_huge_pages((64, 256, 1024), torch.float32)  # 64 MiB
+    pool = cpu_runtime.kv_pool_zeros((64, 256, 1024), torch.float32)  # 64 MiB
     assert _rss_bytes() - before >= 60 << 20
     assert not pool.any()
     pool[7].fill_(3.0)
@@ -102,7 +103,7 @@ def test_kv_pool_larger_than_available_memory_is_refused(monkeypatch: pytest.Mon
         pytest.skip("MemAvailable is read from /proc/meminfo")
     monkeypatch.setattr(cpu_runtime, "_available_memory_bytes", lambda: 16 << 20)
     with pytest.raises(MemoryError, match="lower kv_cache_memory_gb"):
-        cpu_runtime.zeros_on_huge_pages((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
+        cpu_runtime.kv_pool_zeros((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
 
 
 def _rss_bytes() -> int:
