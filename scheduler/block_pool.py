@@ -145,20 +145,27 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Make a full, fully computed block hittable under `block_hash`.
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Make a full block that the step being planned computes hittable under `block_hash`;
+        True if this block is now the one indexed under it.
 
         If another block already holds that hash (two requests computed the same prefix at
         once), the index keeps the first and this block stays unindexed.
         """
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
         if self.kv_events is not None:
             self.kv_events.stored(block_hash)
+        return True
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop these blocks' hashes from the index: their step failed before writing them."""
+        for block in blocks:
+            self._evict(block)
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -77,6 +77,24 @@ class EngineCore:
             if not outputs:
                 self._wait_for_grammars()
             return outputs
+        try:
+            runner_output = self._execute(scheduler_output)
+        except BaseException:
+            # The step's blocks were indexed when planned; their KV may never have been written.
+            self.scheduler.unindex_step_blocks()
+            raise
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.last_step_time = time.monotonic()
+        self.last_step_duration = self.last_step_time - start
+        self.last_batch_size = len(scheduler_output.num_scheduled_tokens)
+        if self.kv_delta_listener is not None:
+            delta = self.scheduler.kv_cache_manager.block_pool.take_kv_delta()
+            if delta:
+                self.kv_delta_listener(delta)
+        return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         structured = self.scheduler.structured
         rows = self._grammar_rows(scheduler_output) if structured else {}
         if structured is not None and rows:
@@ -89,16 +107,7 @@ class EngineCore:
         if isinstance(scheduler_output.grammar_bitmask, Future):
             scheduler_output.grammar_bitmask.result()  # done before any matcher advances
         self.last_bitmask_duration = structured.stats.last_mask_s if structured and rows else None
-        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.num_steps += 1
-        self.last_step_time = time.monotonic()
-        self.last_step_duration = self.last_step_time - start
-        self.last_batch_size = len(scheduler_output.num_scheduled_tokens)
-        if self.kv_delta_listener is not None:
-            delta = self.scheduler.kv_cache_manager.block_pool.take_kv_delta()
-            if delta:
-                self.kv_delta_listener(delta)
-        return outputs
+        return runner_output
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput) -> dict[str, RequestGrammar]:
         """The grammars of the constrained sequences that sample in this (scheduled) step."""

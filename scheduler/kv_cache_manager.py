@@ -93,7 +93,7 @@ class KVCacheManager:
         is looked up again each step and must not be counted again).
 
         A request that asks for prompt logprobs gets no hit (its blocks are still cached for
-        others once computed).
+        others once planned).
 
         Returns:
             (the cached blocks in table order, the number of tokens they hold).
@@ -162,19 +162,24 @@ class KVCacheManager:
         new_block_ids += [block.block_id for block in fresh_blocks]
         return Allocation(new_block_ids=new_block_ids, copies=copies, replaced=bool(copies))
 
-    def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
-        """Index every full block of `req` whose tokens are all computed (after a step)."""
+    def cache_blocks(self, req: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """Index every full block of `req` whose tokens are computed once the step being planned
+        has run; returns the blocks this indexed (to be dropped if that step fails)."""
         if not self.enable_caching:
-            return
+            return []
         table = self.req_to_blocks.get(req.req_id)
         start = self.num_cached_blocks.get(req.req_id, 0)
         if not table or num_computed_tokens // self.block_size <= start:
-            return  # most decode steps: no block filled up
+            return []  # most decode steps: no block filled up
         block_hashes = self._update_block_hashes(req)
         num_full = min(num_computed_tokens // self.block_size, len(table), len(block_hashes))
-        for block_idx in range(start, num_full):
-            self.block_pool.cache_full_block(table[block_idx], block_hashes[block_idx])
+        indexed = [
+            table[block_idx]
+            for block_idx in range(start, num_full)
+            if self.block_pool.cache_full_block(table[block_idx], block_hashes[block_idx])
+        ]
         self.num_cached_blocks[req.req_id] = max(start, num_full)
+        return indexed
 
     def fork(self, parent_req: Request, children: list[Request]) -> None:
         """Hand the parent's table to each child; every block is then shared by all children.

@@ -12,6 +12,7 @@ import itertools
 import time
 from typing import Iterable
 
+from pagedray.scheduler.block_pool import KVCacheBlock
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.scheduler.grammar import GRAMMAR_REJECTED, StructuredOutputManager
 from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
@@ -65,6 +66,7 @@ class Scheduler:
         self.num_cow_copies = 0  # copy-on-write block copies issued
         self.peak_num_running = 0
         self.peak_kv_usage = 0.0
+        self.indexed_in_step: list[KVCacheBlock] = []  # blocks the last schedule() indexed
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -114,6 +116,7 @@ class Scheduler:
         """Plan one step. Running sequences first, then admissions; preempt when blocks run out."""
         budget = self.config.max_num_batched_tokens
         plan = SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0, [], [])
+        self.indexed_in_step = []
         preempted = False
         if self.config.policy == "priority":
             self._make_room_for_priority()
@@ -195,11 +198,19 @@ class Scheduler:
         self.worker_view.emit(req, allocation, plan.scheduled_new_reqs, plan.scheduled_cached_reqs)
         plan.blocks_to_copy.extend(allocation.copies)
         plan.num_scheduled_tokens[req.req_id] = num_new
-        # Indexed now, not after the step (as vLLM does): a request admitted later in this very
-        # step reads the shared prefix this step computes instead of computing it again. Every
-        # layer stores the whole step's K/V before any attention reads it, and a sequence in the
-        # plan is never preempted later in the same `schedule()` (see `_pick_victim`).
-        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens + num_new)
+        # Indexed when planned, as vLLM indexes at allocation: a request admitted later in this
+        # very step reads the shared prefix this step computes instead of computing it again.
+        # Every layer stores the whole step's K/V before any attention reads it, and a sequence
+        # in the plan is never preempted later in the same `schedule()` (see `_pick_victim`).
+        self.indexed_in_step += self.kv_cache_manager.cache_blocks(
+            req, req.num_computed_tokens + num_new
+        )
+
+    def unindex_step_blocks(self) -> None:
+        """The planned step failed before it ran: drop the blocks `_plan` indexed for it, whose
+        KV may never have been written (the offline `LLM` is used again after a failed call)."""
+        self.kv_cache_manager.block_pool.uncache(self.indexed_in_step)
+        self.indexed_in_step = []
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

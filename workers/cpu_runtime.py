@@ -17,7 +17,7 @@ madvise(MADV_POPULATE_WRITE) over a private anonymous mapping, which reads as ze
 zeroing in user space (torch.zeros wrote every page after the kernel had zeroed it), and a pool
 larger than the memory available is refused then rather than killed under load. (Faulted in
 as blocks were first written instead, runs that reached fresh blocks slowed.)
-It stays on 4 KiB pages unless PAGEDRAY_KV_HUGE_PAGES=1 asks for transparent huge pages: where
+It is not advised onto transparent huge pages unless PAGEDRAY_KV_HUGE_PAGES=1 asks: where
 the kernel leaves those to `madvise` (the common default) it compacts memory to find 2 MiB pages
 for an advised region as it faults it in, and on this VM that made the first `LLM()` of a
 process take 18-20 s for a 2 GiB pool against 1.6-1.9 s, while offline throughput on 4 KiB pages
@@ -49,6 +49,7 @@ TOP_PAD_BYTES = 64 << 20  # the heap grows by at least this much at a time
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
+_ENOMEM = 12
 KV_HUGE_PAGES_ENV = "PAGEDRAY_KV_HUGE_PAGES"  # "1": the KV pool on transparent huge pages
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -111,27 +112,34 @@ def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             "is available (lower kv_cache_memory_gb)"
         )
     # Private and anonymous: zero pages by the kernel's guarantee; shared anonymous memory would
-    # be shmem, which takes no huge pages by default. One huge page more, to start on a boundary.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # be shmem, which takes no huge pages by default. Whole huge pages, and one more to start the
+    # pool on a boundary, so every range advised below lies inside the mapping.
+    length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    mapping = mmap.mmap(-1, length + HUGE_PAGE_BYTES, flags=flags)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while it lives
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # the spare page covers the tail
-    huge = os.environ.get(KV_HUGE_PAGES_ENV, "0") == "1"
-    if huge and not _madvise(tensor.data_ptr(), length, _MADV_HUGEPAGE):
-        logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-    if not _madvise(tensor.data_ptr(), length, _MADV_POPULATE_WRITE):  # before Linux 5.14
+    if os.environ.get(KV_HUGE_PAGES_ENV, "0") == "1":
+        errno = _madvise(tensor.data_ptr(), length, _MADV_HUGEPAGE)
+        if errno:
+            logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", errno)
+    errno = _madvise(tensor.data_ptr(), length, _MADV_POPULATE_WRITE)
+    if errno == _ENOMEM:
+        raise MemoryError(f"the KV pool ({nbytes / 2**30:.2f} GiB) could not be faulted in")
+    if errno:  # EINVAL before Linux 5.14, or no libc to ask
         tensor.zero_()  # touched from user space instead: the zeros are written again
     return tensor
 
 
-def _madvise(address: int, length: int, advice: int) -> bool:
+def _madvise(address: int, length: int, advice: int) -> int:
+    """0 if the kernel took the advice, else its errno (-1: libc could not be loaded)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
-        return False
+        return -1
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, advice) == 0
+    return 0 if libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
 
 
 def _available_memory_bytes() -> int | None:

@@ -52,6 +52,20 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]],
     clean-up, its backend's decode, which is what transformers' `decode` ends in (1.2 us against
     3.1 for a 10-token window here; the ingress decodes twice a token for each stream)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+    cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False
+    if backend is not None and not cleans_up and not _overrides_decode(type(tokenizer)):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _overrides_decode(cls: type) -> bool:
+    """Whether a tokenizer class decodes its own way (CPM's, Whisper's, remote code's)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return True
+    return (
+        getattr(cls, "_decode", None) is not getattr(PreTrainedTokenizerFast, "_decode", None)
+        or getattr(cls, "decode", None) is not PreTrainedTokenizerBase.decode
+    )

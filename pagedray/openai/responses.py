@@ -7,6 +7,7 @@ becomes an error dict (whole) or an error event followed by `[DONE]` (streamed).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -50,6 +51,8 @@ class ResponseContext:
     echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
     echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
     tool_calls: ToolCallOutput | None = None  # chat with tools: how text becomes calls
+    # One timestamp for every chunk of the answer, as OpenAI and vLLM stamp them.
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def num_choices(self) -> int:
@@ -115,6 +118,7 @@ async def completion_response(
     choices, usage = collected
     return CompletionResponse(
         id=ctx.request_id,
+        created=ctx.created,
         model=ctx.model,
         choices=[
             CompletionChoice(
@@ -144,6 +148,7 @@ async def chat_response(
             message.content, message.tool_calls, c.finish_reason = extracted
     return ChatCompletionResponse(
         id=ctx.request_id,
+        created=ctx.created,
         model=ctx.model,
         choices=[
             ChatCompletionChoice(
@@ -166,34 +171,36 @@ async def chat_response(
 async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
     """`text_completion` chunks, then a usage chunk if asked, then `[DONE]`."""
     offsets = [len(ctx.echo_text(i)) for i in range(ctx.num_choices)]
-    text_only = TextChunkTemplate(
-        lambda i, text: CompletionResponse(
-            id=ctx.request_id, model=ctx.model, choices=[CompletionChoice(index=i, text=text)]
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return sse(response(choices, usage))
+
+    def response(choices: list[CompletionChoice], usage: UsageInfo | None) -> CompletionResponse:
+        return CompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
         )
+
+    text_only = TextChunkTemplate(
+        lambda i, text: response([CompletionChoice(index=i, text=text)], None)
     )
     # With logprobs, a choice's echo waits for its first delta, which brings the prompt's.
     if ctx.echo and ctx.num_logprobs is None:
         for i in range(ctx.num_choices):
-            choice = CompletionChoice(index=i, text=ctx.echo_text(i))
-            yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
+            yield chunk([CompletionChoice(index=i, text=ctx.echo_text(i))])
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
-                chunk = CompletionResponse(
-                    id=ctx.request_id, model=ctx.model, choices=[], usage=_info(usage)
-                )
-                yield sse(chunk)
+                yield chunk([], _info(usage))
             break
         index = ctx.index(prompt_index, delta)
         echoed = ctx.echo_logprobs(index, delta)
         if echoed is not None:
-            choice = CompletionChoice(index=index, text=ctx.echo_text(index), logprobs=echoed)
-            yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
+            yield chunk([CompletionChoice(index=index, text=ctx.echo_text(index), logprobs=echoed)])
         logprobs = None
         if ctx.num_logprobs is not None:
             logprobs = ctx.logprobs.completion(delta, offsets[index])
         offsets[index] += len(delta.text)
-        if delta.finish_reason is None and logprobs is None:
+        if delta.finish_reason is None and delta.stop_reason is None and logprobs is None:
             if delta.text:  # text alone: most chunks
                 yield text_only.event(index, delta.text)
             continue
@@ -204,15 +211,19 @@ async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> Asy
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
         )
-        yield sse(CompletionResponse(id=ctx.request_id, model=ctx.model, choices=[choice]))
+        yield chunk([choice])
     yield SSE_DONE
 
 
 async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
     """A role chunk per choice, content chunks, a usage chunk if asked, then `[DONE]`."""
 
-    def model(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=ctx.request_id, model=ctx.model, choices=choices)
+    def model(
+        choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
+        )
 
     def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
         return sse(model(choices))
@@ -231,9 +242,7 @@ async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIter
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
-                last = ChatCompletionChunk(
-                    id=ctx.request_id, model=ctx.model, choices=[], usage=_info(usage)
-                )
+                last = model([], _info(usage))
                 yield sse(last)
             break
         logprobs = None
@@ -248,7 +257,8 @@ async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIter
         quiet = not (message.content or message.tool_calls) and finish_reason is None
         if quiet and logprobs is None:
             continue
-        if not message.tool_calls and finish_reason is None and logprobs is None:
+        plain = finish_reason is None and delta.stop_reason is None and logprobs is None
+        if plain and not message.tool_calls:
             yield text_only.event(index, message.content or "")  # text alone: most chunks
             continue
         choice = ChatCompletionStreamChoice(

@@ -91,11 +91,15 @@ def test_kv_pool_is_resident_once_made() -> None:
     if platform.system() != "Linux":
         pytest.skip("the populated mapping is the Linux path; elsewhere the pool is torch.zeros")
     before = _rss_bytes()
-    pool = cpu_runtime.kv_pool_zeros((64, 256, 1024), torch.float32)  # 64 MiB
+    # 66,000,000 bytes: not a whole number of 2 MiB pages, so the advised range must be the
+    # mapping's own whole pages and not run past it.
+    pool = cpu_runtime.kv_pool_zeros((1000, 16500), torch.float32)
     assert _rss_bytes() - before >= 60 << 20
     assert not pool.any()
     pool[7].fill_(3.0)
+    pool[-1].fill_(4.0)
     assert pool[7].eq(3.0).all() and not pool[6].any() and not pool[8].any()
+    assert pool[-1].eq(4.0).all()
 
 
 def test_kv_pool_larger_than_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
