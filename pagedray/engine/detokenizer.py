@@ -55,7 +55,8 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]],
     cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False
     if backend is not None and not cleans_up and not _overrides_decode(type(tokenizer)):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
-    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    # NOTE: looked up at each call: a caller that never decodes may hold no tokenizer at all.
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def _overrides_decode(cls: type) -> bool:
