@@ -30,6 +30,7 @@ in the engine, which hands out a fresh pool's blocks in address order.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import math
@@ -49,7 +50,6 @@ TOP_PAD_BYTES = 64 << 20  # the heap grows by at least this much at a time
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
-_ENOMEM = 12
 KV_HUGE_PAGES_ENV = "PAGEDRAY_KV_HUGE_PAGES"  # "1": the KV pool on transparent huge pages
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -121,13 +121,13 @@ def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
     if os.environ.get(KV_HUGE_PAGES_ENV, "0") == "1":
-        errno = _madvise(tensor.data_ptr(), length, _MADV_HUGEPAGE)
-        if errno:
-            logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", errno)
-    errno = _madvise(tensor.data_ptr(), length, _MADV_POPULATE_WRITE)
-    if errno == _ENOMEM:
+        error = _madvise(tensor.data_ptr(), length, _MADV_HUGEPAGE)
+        if error:
+            logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", error)
+    error = _madvise(tensor.data_ptr(), length, _MADV_POPULATE_WRITE)
+    if error == errno.ENOMEM:
         raise MemoryError(f"the KV pool ({nbytes / 2**30:.2f} GiB) could not be faulted in")
-    if errno:  # EINVAL before Linux 5.14, or no libc to ask
+    if error:  # EINVAL before Linux 5.14, or no libc to ask
         tensor.zero_()  # touched from user space instead: the zeros are written again
     return tensor
 

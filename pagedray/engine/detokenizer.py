@@ -59,7 +59,8 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]],
     return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def _overrides_decode(cls: type) -> bool:
+@functools.cache  # asked for each choice of each request
+def _overrides_decode(cls: Any) -> bool:
     """Whether a tokenizer class decodes its own way (CPM's, Whisper's, remote code's)."""
     try:
         from transformers import PreTrainedTokenizerFast
