@@ -53,7 +53,7 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]],
     3.1 for a 10-token window here; the ingress decodes twice a token for each stream)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False
-    if backend is not None and not cleans_up and not _overrides_decode(type(tokenizer)):
+    if backend is not None and not cleans_up and not _overrides_decode(tokenizer.__class__):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
     # NOTE: looked up at each call: a caller that never decodes may hold no tokenizer at all.
     return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
