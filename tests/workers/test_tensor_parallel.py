@@ -92,25 +92,26 @@ def _worker(rank: int, world_size: int, init_method: str, paths: list[str]) -> N
     from pagedray.workers import parallel_state
 
     tp = parallel_state.init_tensor_parallel(rank, world_size, init_method, "gloo")
-    passed = False
-    try:
-        for path in paths:
-            sharded = _run(Path(path), tp)
-            if rank != 0:
-                continue
-            single = _run(Path(path), parallel_state.TensorParallelGroup(0, 1))
-            for got, want in zip(sharded, single):
-                assert got.shape == want.shape, (path, got.shape, want.shape)
-                torch.testing.assert_close(
-                    got, want, atol=1e-4, rtol=0, msg=lambda m, path=path: f"{path}: {m}"
-                )
-        passed = True
-    finally:
-        # NOTE: both ranks leave together: gloo aborts a rank whose peer tears the group down
-        # while it is still finishing (rank 0 also runs the TP=1 model after each case).
-        torch.distributed.barrier()
-        if not passed:
-            parallel_state.destroy()
+    # Rank 0 collects mismatches and raises only once every case has run: raising at the first
+    # one would leave rank 1 waiting in a collective rank 0 never joins.
+    mismatches: list[str] = []
+    for path in paths:
+        sharded = _run(Path(path), tp)
+        if rank != 0:
+            continue
+        single = _run(Path(path), parallel_state.TensorParallelGroup(0, 1))
+        for step, (got, want) in enumerate(zip(sharded, single)):
+            try:
+                assert got.shape == want.shape, (got.shape, want.shape)
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            except AssertionError as error:
+                mismatches.append(f"{path} step {step}: {error}")
+    # NOTE: both ranks leave together: gloo aborts a rank whose peer tears the group down while
+    # it is still finishing (rank 0 also runs the TP=1 model after each case).
+    torch.distributed.barrier()
+    if mismatches:
+        parallel_state.destroy()
+        raise AssertionError("TP=2 logits differ from TP=1:\n" + "\n".join(mismatches))
     # NOTE: a passing rank leaves without tearing gloo down at all. Its teardown can still race
     # the peer's, or run during interpreter finalization, and abort the rank with "terminate
     # called without an active exception" (seen once in CI, after every assertion had passed).
