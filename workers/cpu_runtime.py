@@ -15,8 +15,9 @@ With tcmalloc or another allocator preloaded (vLLM's CPU docs' advice), this doe
 2. Pages of the KV pool. The pool is faulted in at start by the kernel, with one
 madvise(MADV_POPULATE_WRITE) over a private anonymous mapping, which reads as zeros: no pass of
 zeroing in user space (torch.zeros wrote every page after the kernel had zeroed it), and a pool
-larger than the memory available is refused then rather than killed under load. (Faulted in
-as blocks were first written instead, runs that reached fresh blocks slowed.)
+larger than the memory available (a container's limit counted: `memory_limits.py`) is refused
+then rather than killed under load. (Faulted in as blocks were first written instead, runs that
+reached fresh blocks slowed.)
 It is not advised onto transparent huge pages unless PAGEDRAY_KV_HUGE_PAGES=1 asks: where
 the kernel leaves those to `madvise` (the common default) it compacts memory to find 2 MiB pages
 for an advised region as it faults it in, and on this VM that made the first `LLM()` of a
@@ -39,6 +40,8 @@ import os
 import platform
 
 import torch
+
+from pagedray.workers.memory_limits import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +108,11 @@ def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if platform.system() != "Linux" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    available = _available_memory_bytes()
+    available = available_memory_bytes()
     if available is not None and nbytes > available:
         raise MemoryError(
             f"the KV pool needs {nbytes / 2**30:.2f} GiB; {available / 2**30:.2f} GiB of memory "
-            "is available (lower kv_cache_memory_gb)"
+            "is available to this process, its cgroup's limit counted (lower kv_cache_memory_gb)"
         )
     # Private and anonymous: zero pages by the kernel's guarantee; shared anonymous memory would
     # be shmem, which takes no huge pages by default. Whole huge pages, and one more to start the
@@ -140,15 +143,3 @@ def _madvise(address: int, length: int, advice: int) -> int:
         return -1
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return 0 if libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
-
-
-def _available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

@@ -105,7 +105,7 @@ def test_kv_pool_is_resident_once_made() -> None:
 def test_kv_pool_larger_than_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     if platform.system() != "Linux":
         pytest.skip("MemAvailable is read from /proc/meminfo")
-    monkeypatch.setattr(cpu_runtime, "_available_memory_bytes", lambda: 16 << 20)
+    monkeypatch.setattr(cpu_runtime, "available_memory_bytes", lambda: 16 << 20)
     with pytest.raises(MemoryError, match="lower kv_cache_memory_gb"):
         cpu_runtime.kv_pool_zeros((3, 2, 512, 16, 2, 64), torch.float32)  # 24 MiB
 

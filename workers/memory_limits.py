@@ -1,0 +1,122 @@
+"""How much memory this process may still take: the kernel's MemAvailable, capped by what its
+cgroup (a container's memory limit, a Kubernetes pod's `resources.limits.memory`) has left.
+
+MemAvailable counts the whole machine. In a container limited to less than that, a KV pool sized
+against MemAvailable passes the check and is then faulted in past the cgroup's limit, and the
+kernel's cgroup OOM killer ends the process instead of the engine refusing the size with a
+message. The cgroup's headroom is its limit less what it uses, with the page cache the kernel
+would reclaim first (inactive file pages) counted as free, as MemAvailable counts it and as
+Kubernetes' working set leaves it out. cgroup v2 or v1, whichever the machine mounts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PROC_MEMINFO = Path("/proc/meminfo")
+# This process's cgroups: "0::<path>" (v2), "<n>:<controllers>:<path>" (v1).
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+# Where the hierarchies are mounted: v2 itself (it has cgroup.controllers), v1's under memory/.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# v1 reports "no limit" as the largest page-aligned count (about 2^63): anything this large is.
+V1_UNLIMITED_BYTES = 1 << 62
+
+
+def available_memory_bytes(
+    meminfo: Path = PROC_MEMINFO, proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT
+) -> int | None:
+    """Bytes this process may still allocate: the smaller of MemAvailable and its cgroup's
+    headroom; None where neither can be read (not Linux)."""
+    figures = [_mem_available(meminfo), cgroup_headroom_bytes(proc_cgroup, root)]
+    known = [figure for figure in figures if figure is not None]
+    return min(known) if known else None
+
+
+def cgroup_headroom_bytes(
+    proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT
+) -> int | None:
+    """The least headroom (limit less usage, reclaimable page cache counted as free) of this
+    process's memory cgroup and its ancestors; None when none of them sets a limit.
+
+    Ancestors count: Kubernetes sets a pod's limit on the pod's cgroup, above its containers'.
+    In a container with its own cgroup namespace the process's path reads "/" and the mount is
+    already its own cgroup; without one, the path is looked up under the mount.
+    """
+    v2 = (root / "cgroup.controllers").exists()
+    mount = root if v2 else root / "memory"
+    own = _own_path(_read(proc_cgroup) or "", v2)
+    if own is None:
+        return None
+    directory = mount / own.lstrip("/")
+    if not directory.is_dir():
+        directory = mount  # a path outside this mount namespace's view: the mount is ours
+    headrooms = []
+    for level in [directory, *directory.parents]:
+        headroom = _v2_headroom(level) if v2 else _v1_headroom(level)
+        if headroom is not None:
+            headrooms.append(headroom)
+        if level == mount:
+            break
+    return min(headrooms) if headrooms else None
+
+
+def _own_path(proc_cgroup_text: str, v2: bool) -> str | None:
+    for line in proc_cgroup_text.splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if v2 and number == "0" and controllers == "":
+            return path
+        if not v2 and "memory" in controllers.split(","):
+            return path
+    return None
+
+
+def _v2_headroom(level: Path) -> int | None:
+    limit = _read(level / "memory.max")
+    if limit is None or limit == "max":
+        return None
+    usage = _read(level / "memory.current")
+    return _headroom(limit, usage, _stat(level / "memory.stat").get("inactive_file", 0))
+
+
+def _v1_headroom(level: Path) -> int | None:
+    limit = _read(level / "memory.limit_in_bytes")
+    if limit is None or not limit.isdigit() or int(limit) >= V1_UNLIMITED_BYTES:
+        return None
+    usage = _read(level / "memory.usage_in_bytes")
+    stat = _stat(level / "memory.stat")
+    # v1's "inactive_file" is this cgroup's own; "total_" adds its children's, as usage does.
+    return _headroom(limit, usage, stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+
+
+def _headroom(limit: str, usage: str | None, reclaimable: int) -> int | None:
+    if not limit.isdigit() or usage is None or not usage.isdigit():
+        return None
+    in_use = max(0, int(usage) - reclaimable)
+    return max(0, int(limit) - in_use)
+
+
+def _mem_available(meminfo: Path) -> int | None:
+    text = _read(meminfo)
+    for line in (text or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            return int(fields[1]) * 1024 if len(fields) > 1 and fields[1].isdigit() else None
+    return None
+
+
+def _stat(path: Path) -> dict[str, int]:
+    """A memory.stat file's "key value" lines."""
+    entries = {}
+    for line in (_read(path) or "").splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            entries[key] = int(value)
+    return entries
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
