@@ -14,23 +14,10 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedray.cache_dir import cache_dir
 from pagedray.tools.chat_template import CHAT_TEMPLATE
@@ -63,11 +50,14 @@ DEFAULT_PRESET = "small"
 # Bump when the corpus, tokenizer recipe or init changes, so stale cached builds are not reused.
 CACHE_VERSION = "v2"
 
-_MODEL_CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+# transformers' config and model classes of each arch, by name: torch and transformers are
+# imported only to build, so that `pagedray serve` with a cached build (every start but the first)
+# does not spend seconds importing them in a process that never runs the model.
+_MODEL_CLASS_NAMES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 # NOTE: the trainer places special tokens first, in this order, so pad=0, bos=1, eos=2.
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -183,6 +173,9 @@ def _corpus(seed: int) -> list[str]:
 
 def _build_tokenizer(vocab_size: int, seed: int, model_max_length: int) -> PreTrainedTokenizerFast:
     """Trains a byte-level BPE with exactly `vocab_size` entries: every id < vocab_size decodes."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     if vocab_size < 256 + len(SPECIAL_TOKENS) + NUM_RESERVED:
         raise ValueError(f"vocab_size={vocab_size} cannot hold 256 byte tokens plus special tokens")
     tokenizer = Tokenizer(models.BPE())
@@ -257,29 +250,38 @@ def _build_config(
     if arch in ("qwen2", "qwen3"):
         fields.setdefault("use_sliding_window", False)
         fields.setdefault("max_window_layers", fields["num_hidden_layers"])
-    config_class, model_class = _MODEL_CLASSES[arch]
+    config_class, model_class = _model_classes(arch)
     config = config_class(**fields)
     config.architectures = [model_class.__name__]
     config.dtype = dtype
     return config
 
 
-@torch.no_grad()
+def _model_classes(arch: str) -> tuple[type[PretrainedConfig], type[PreTrainedModel]]:
+    import transformers
+
+    config_name, model_name = _MODEL_CLASS_NAMES[arch]
+    return getattr(transformers, config_name), getattr(transformers, model_name)
+
+
 def _spread_init(model: PreTrainedModel, config: PretrainedConfig) -> None:
     """Randomises what the default init leaves constant, and widens the logits to `LOGIT_STD`.
 
     Norm weights (default 1) and biases (default 0) get random values so that a loader which skips
     them produces wrong outputs instead of passing by accident.
     """
-    for name, param in model.named_parameters():
-        if name.endswith(".bias"):
-            param.normal_(0.0, config.initializer_range)
-        elif "norm" in name:
-            param.uniform_(0.5, 1.5)
-    # The final norm's output has rms ~1 (times its weight, mean 1), and each logit sums hidden_size
-    # terms of std initializer_range, so this factor brings the logits' std to LOGIT_STD.
-    scale = LOGIT_STD / (config.initializer_range * config.hidden_size**0.5)
-    model.model.norm.weight.mul_(scale)
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+        # The final norm's output has rms ~1 (times its weight, mean 1), and each logit sums
+        # hidden_size terms of std initializer_range, so this brings the logits' std to LOGIT_STD.
+        scale = LOGIT_STD / (config.initializer_range * config.hidden_size**0.5)
+        model.model.norm.weight.mul_(scale)
 
 
 def _publish(tmp_dir: Path, out_dir: Path) -> None:
@@ -311,7 +313,9 @@ def make_model(
         dtype: torch dtype name the weights are saved in.
         **overrides: config fields, e.g. `num_key_value_heads=1` or `vocab_size=517`.
     """
-    if arch not in _MODEL_CLASSES:
+    import torch
+
+    if arch not in _MODEL_CLASS_NAMES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
@@ -328,7 +332,7 @@ def make_model(
         }
         config = _build_config(arch, preset, dtype, special_ids, overrides)
         torch.manual_seed(seed)
-        model = _MODEL_CLASSES[arch][1](config)
+        model = _model_classes(arch)[1](config)
         _spread_init(model, config)
         model = model.to(getattr(torch, dtype))
         model.save_pretrained(tmp_dir)
