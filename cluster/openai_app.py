@@ -1,10 +1,9 @@
 """The OpenAI-compatible HTTP ingress: a Serve deployment wrapping a FastAPI app.
 
-It validates, applies the chat template and tokenizes (in a thread pool, off the event loop),
-then calls the engine deployment through a DeploymentHandle; it holds no KV state, so it scales
-out freely. Bad requests are answered here and never reach a scheduler; `IngressGuard` wraps
-every route (API key, body limit, opaque 500s). `serve run
-pagedray.cluster.openai_app:build_app model=...` works.
+It validates, applies the chat template and tokenizes (in a thread pool, off the event loop), then
+calls the engine deployment through a DeploymentHandle; it holds no KV state, so it scales out
+freely. Bad requests never reach a scheduler; `IngressGuard` wraps every route (API key, body limit,
+opaque 500s). `serve run pagedray.cluster.openai_app:build_app model=...` works.
 """
 
 # NOTE: no `from __future__ import annotations` here: Serve pickles the route functions by value,
@@ -37,7 +36,6 @@ from pagedray.cluster.metrics_endpoint import (
 )
 from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
 from pagedray.engine.config import EngineConfig
-from pagedray.engine.engine_factory import load_tokenizer, make_validator
 from pagedray.observability.ray_grafana import provision_for_this_ray_session
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -165,6 +163,9 @@ class OpenAIIngress(IngressBase):
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
         response_store: DeploymentHandle | None = None,
     ) -> None:
+        # In the replica: transformers and torch come with it; the app's builder needs neither.
+        from pagedray.engine.engine_factory import load_tokenizer, make_validator
+
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         self.engine = engine
         self.response_store = response_store  # the Responses API's, shared by every ingress

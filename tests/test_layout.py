@@ -70,6 +70,24 @@ def test_package_imports_stay_inside_its_boundary(package: str) -> None:
     assert not pulled_in, f"importing {package} imports {sorted(pulled_in)}"
 
 
+# What `pagedray serve`'s own process imports to parse its flags, build the app and drive Ray. It
+# never runs the model or a tokenizer (the replicas do), and torch with transformers took 5-7 s of
+# every start there.
+SERVE_DRIVER_MODULES = [
+    "pagedray.cli.main",
+    "pagedray.cli.serve",
+    "pagedray.cluster.openai_app",
+    "pagedray.cluster.serve_app",
+    "pagedray.tools.default_model",
+    "pagedray.observability.ray_grafana",
+]
+
+
+def test_the_serve_driver_loads_no_model_libraries() -> None:
+    pulled_in = _imported_after(SERVE_DRIVER_MODULES) & {"torch", "transformers", "tokenizers"}
+    assert not pulled_in, f"pagedray serve's driver imports {sorted(pulled_in)}"
+
+
 def test_every_source_folder_is_a_known_package() -> None:
     """A new package folder gets a rule here (or a deliberate absence of one)."""
     folders = {p.parent for p in (ROOT / "pagedray").rglob("__init__.py")} - {ROOT / "pagedray"}

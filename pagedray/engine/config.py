@@ -12,7 +12,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedray.scheduler.config import SchedulerConfig
-from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.worker_config import WorkerConfig
 
 # Weight and activation dtypes; "auto" is the checkpoint's own.
@@ -67,6 +66,10 @@ class EngineConfig(BaseModel):
 
     def resolved_max_model_len(self) -> int:
         """The model's context limit, lowered by `max_model_len` and any sliding window."""
+        # NOTE: imported here: the model's config brings torch, which a process that only
+        # parses flags or drives Ray (`pagedray serve`'s own) should not spend seconds loading.
+        from pagedray.workers.model_config import ModelConfig
+
         model_config = ModelConfig.from_pretrained(self.model, self.dtype)
         limit = model_config.max_position_embeddings
         if model_config.sliding_window is not None:
