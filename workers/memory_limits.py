@@ -48,8 +48,10 @@ def cgroup_headroom_bytes(
     if own is None:
         return None
     directory = mount / own.lstrip("/")
-    if not directory.is_dir():
-        directory = mount  # a path outside this mount namespace's view: the mount is ours
+    # A path outside this namespace's view ("/../x": the process's cgroup is not under the
+    # namespace's root) or not under the mount: the mount is then the process's own cgroup.
+    if ".." in Path(own).parts or not directory.is_dir():
+        directory = mount
     headrooms = []
     for level in [directory, *directory.parents]:
         headroom = _v2_headroom(level) if v2 else _v1_headroom(level)

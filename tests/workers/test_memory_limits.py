@@ -99,6 +99,10 @@ def test_a_path_outside_the_view_reads_the_mount(tmp_path: Path) -> None:
     _v2_level(root, 3 * GIB, 1 * GIB)
     proc = _proc_cgroup(tmp_path, "0::/docker/0123abcd\n")
     assert cgroup_headroom_bytes(proc, root) == 2 * GIB
+    # Outside the namespace's root: not a path under the mount, even where one would resolve.
+    _v2_level(tmp_path / "x", 1 * GIB, 1 * GIB)
+    proc = _proc_cgroup(tmp_path, "0::/../x\n")
+    assert cgroup_headroom_bytes(proc, root) == 2 * GIB
 
 
 def test_unreadable_files_give_no_figure(tmp_path: Path) -> None:

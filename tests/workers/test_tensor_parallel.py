@@ -110,7 +110,8 @@ def _worker(rank: int, world_size: int, init_method: str, paths: list[str]) -> N
     # it is still finishing (rank 0 also runs the TP=1 model after each case).
     torch.distributed.barrier()
     if mismatches:
-        parallel_state.destroy()
+        # Raised without tearing gloo down: rank 1 has left, and an abort in the teardown would
+        # hide the report (spawn writes the traceback as this raises, before the process exits).
         raise AssertionError("TP=2 logits differ from TP=1:\n" + "\n".join(mismatches))
     # NOTE: a passing rank leaves without tearing gloo down at all. Its teardown can still race
     # the peer's, or run during interpreter finalization, and abort the rank with "terminate
