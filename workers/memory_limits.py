@@ -82,13 +82,20 @@ def _v2_headroom(level: Path) -> int | None:
 
 
 def _v1_headroom(level: Path) -> int | None:
-    limit = _read(level / "memory.limit_in_bytes")
-    if limit is None or not limit.isdigit() or int(limit) >= V1_UNLIMITED_BYTES:
+    own = _read(level / "memory.limit_in_bytes")
+    stat = _stat(level / "memory.stat")
+    # "hierarchical_memory_limit" is the least limit of this cgroup and its ancestors: with the
+    # container's own cgroup mounted at the root, the only sight of a limit set above it. Held
+    # against this cgroup's usage, a lower bound of the ancestors', it errs towards more room.
+    limits = [int(own)] if own is not None and own.isdigit() else []
+    limits += [stat["hierarchical_memory_limit"]] if "hierarchical_memory_limit" in stat else []
+    limit = min(limits, default=V1_UNLIMITED_BYTES)
+    if limit >= V1_UNLIMITED_BYTES:
         return None
     usage = _read(level / "memory.usage_in_bytes")
-    stat = _stat(level / "memory.stat")
     # v1's "inactive_file" is this cgroup's own; "total_" adds its children's, as usage does.
-    return _headroom(limit, usage, stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+    reclaimable = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+    return _headroom(str(limit), usage, reclaimable)
 
 
 def _headroom(limit: str, usage: str | None, reclaimable: int) -> int | None:

@@ -93,6 +93,22 @@ def test_v1_seen_from_the_host(tmp_path: Path) -> None:
     assert cgroup_headroom_bytes(proc, root) is None
 
 
+def test_v1_a_limit_above_a_container_mounted_at_the_root(tmp_path: Path) -> None:
+    """Docker on v1 mounts the container's own memory cgroup at the root: a limit set above it
+    shows only as memory.stat's hierarchical_memory_limit."""
+    memory = tmp_path / "cgroup" / "memory"
+    memory.mkdir(parents=True)
+    (memory / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (memory / "memory.usage_in_bytes").write_text(f"{GIB}\n")
+    stat = f"total_inactive_file 0\nhierarchical_memory_limit {3 * GIB}\n"
+    (memory / "memory.stat").write_text(stat)
+    proc = _proc_cgroup(tmp_path, "4:memory:/docker/0123abcd\n")
+    assert cgroup_headroom_bytes(proc, tmp_path / "cgroup") == 2 * GIB
+    # Unlimited all the way up: v1 shows the same near-2^63 count there.
+    (memory / "memory.stat").write_text("hierarchical_memory_limit 9223372036854771712\n")
+    assert cgroup_headroom_bytes(proc, tmp_path / "cgroup") is None
+
+
 def test_a_path_outside_the_view_reads_the_mount(tmp_path: Path) -> None:
     """A container without a cgroup namespace but with its own cgroup mounted at the root."""
     root = _v2_root(tmp_path)
