@@ -75,10 +75,10 @@ def _own_path(proc_cgroup_text: str, v2: bool) -> str | None:
 
 def _v2_headroom(level: Path) -> int | None:
     limit = _read(level / "memory.max")
-    if limit is None or limit == "max":
+    if limit is None or not limit.isdigit():  # "max": no limit here
         return None
     usage = _read(level / "memory.current")
-    return _headroom(limit, usage, _stat(level / "memory.stat").get("inactive_file", 0))
+    return _headroom(int(limit), usage, _stat(level / "memory.stat").get("inactive_file", 0))
 
 
 def _v1_headroom(level: Path) -> int | None:
@@ -95,14 +95,14 @@ def _v1_headroom(level: Path) -> int | None:
     usage = _read(level / "memory.usage_in_bytes")
     # v1's "inactive_file" is this cgroup's own; "total_" adds its children's, as usage does.
     reclaimable = stat.get("total_inactive_file", stat.get("inactive_file", 0))
-    return _headroom(str(limit), usage, reclaimable)
+    return _headroom(limit, usage, reclaimable)
 
 
-def _headroom(limit: str, usage: str | None, reclaimable: int) -> int | None:
-    if not limit.isdigit() or usage is None or not usage.isdigit():
+def _headroom(limit: int, usage: str | None, reclaimable: int) -> int | None:
+    if usage is None or not usage.isdigit():
         return None
     in_use = max(0, int(usage) - reclaimable)
-    return max(0, int(limit) - in_use)
+    return max(0, limit - in_use)
 
 
 def _mem_available(meminfo: Path) -> int | None:

@@ -134,7 +134,7 @@ def test_unreadable_files_give_no_figure(tmp_path: Path) -> None:
     inactive=st.integers(0, 1 << 40),
 )
 def test_headroom_lies_between_zero_and_the_limit(limit: int, usage: int, inactive: int) -> None:
-    headroom = memory_limits._headroom(str(limit), str(usage), inactive)
+    headroom = memory_limits._headroom(limit, str(usage), inactive)
     assert headroom is not None and 0 <= headroom <= limit
     if inactive == 0 and usage <= limit:
         assert headroom == limit - usage
