@@ -41,7 +41,7 @@ from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_stream import Sink
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.workers.compute_thread import compute_thread
-from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_threads_per_rank
+from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_counts
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
@@ -253,7 +253,9 @@ class EngineDeployment:
             "num_output_channels": len(self.channels),
             "num_channel_batches": self.channels.num_batches,
             "num_kv_subscribers": self.kv_index.num_subscribers if self.kv_index else 0,
-            "num_threads": self.config.num_threads,  # torch threads per rank; None on a GPU
+            # Torch threads per rank, while a request streams and while none does; None on a GPU.
+            "num_threads": self.config.num_threads,
+            "quiet_num_threads": self.config.quiet_num_threads,
         }
 
     def __del__(self) -> None:
@@ -360,15 +362,17 @@ def _replica_id() -> str:
 
 def _with_serving_threads(config: EngineConfig) -> EngineConfig:
     """`config` with torch threads per CPU rank set, where it leaves them to us: all the node's
-    cores but one, which the ingress and this replica's loop need (workers/cpu_threads.py)."""
+    cores but one, which the ingress and this replica's loop need, while a request streams;
+    all of them while none does (workers/cpu_threads.py)."""
     if config.num_threads is not None or _uses_gpu(config):
         return config
-    threads = serving_threads_per_rank(config.tensor_parallel_size)
+    counts = serving_thread_counts(config.tensor_parallel_size)
     logger.info(
-        "%d torch thread(s) per rank: the node's cores but %d, over %d rank(s) (--num-threads "
-        "sets it)", threads, RESERVED_SERVING_CORES, config.tensor_parallel_size,
+        "%d torch thread(s) per rank while a request streams (the node's cores but %d), %d while "
+        "none does, over %d rank(s) (--num-threads fixes it)", counts["num_threads"],
+        RESERVED_SERVING_CORES, counts["quiet_num_threads"], config.tensor_parallel_size,
     )  # fmt: skip
-    return config.model_copy(update={"num_threads": threads})
+    return config.model_copy(update=counts)
 
 
 def _uses_gpu(config: EngineConfig) -> bool:

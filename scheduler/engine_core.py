@@ -65,9 +65,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, streaming: bool = True) -> list[EngineCoreOutput]:
+        """`streaming`: whether a request in flight streams to its client (the plan says so)."""
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.streaming = streaming
         # Requests the scheduler ended before they ran (a grammar that failed to compile).
         outputs, self.scheduler.pending_outputs = self.scheduler.pending_outputs, []
         if scheduler_output.total_num_scheduled_tokens == 0:

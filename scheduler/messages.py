@@ -67,6 +67,9 @@ class SchedulerOutput:
     # Set after scheduling when any row has a grammar. In-process (never pickled) it may be a
     # Future the scheduler fills while the forward pass runs; the model runner waits on it.
     grammar_bitmask: GrammarBitmask | Future[GrammarBitmask] | None = None
+    # Whether a request in flight streams its tokens to a client: the serving path then works
+    # every step, and a CPU rank leaves it the cores it reserves (workers/cpu_threads.py).
+    streaming: bool = True
 
     @property
     def is_empty(self) -> bool:

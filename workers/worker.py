@@ -35,6 +35,8 @@ class Worker:
         self.rank = rank
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # Torch threads as last set, on the thread that builds and steps this worker.
+        self.num_threads = torch.get_num_threads()
         self.device = _pick_device(config.device, rank)
         if self.device.type == "cpu":
             tune_malloc()
@@ -111,8 +113,12 @@ class Worker:
             generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
             sampler = Sampler(mc.eos_token_id, generator)
         if self.device.type == "cpu":
-            # Decode steps run at batch sizes up to max_num_seqs: compile the small ones first.
-            warm_up(self.model, min(self.config.max_num_seqs, WARM_UP_ROWS), WARM_UP_BUDGET_S)
+            # Decode steps run at batch sizes up to max_num_seqs: compile the small ones first,
+            # at each thread count a step may run on (oneDNN compiles a primitive for each).
+            rows = min(self.config.max_num_seqs, WARM_UP_ROWS)
+            for streaming in (False, True):  # ending on the count a step starts with
+                self._use_threads_for(streaming)
+                warm_up(self.model, rows, WARM_UP_BUDGET_S)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
@@ -125,7 +131,20 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache must run before the first step"
+        self._use_threads_for(scheduler_output.streaming)
         return self.runner.execute_model(scheduler_output)
+
+    def _use_threads_for(self, streaming: bool) -> None:
+        """On a CPU with `quiet_num_threads`: that many torch threads for a step in which no
+        request streams, `num_threads` for any other (workers/cpu_threads.py). Call it on the
+        thread that steps: OpenMP keeps the count per thread."""
+        quiet, serving = self.config.quiet_num_threads, self.config.num_threads
+        if quiet is None or serving is None or self.device.type != "cpu":
+            return
+        wanted = serving if streaming else quiet
+        if wanted != self.num_threads:
+            torch.set_num_threads(wanted)
+            self.num_threads = wanted
 
 
 def _pick_device(device: str, rank: int) -> torch.device:

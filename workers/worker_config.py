@@ -23,4 +23,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the rank may use
     seed: int = 0
     num_threads: int | None = None  # torch threads on CPU: the cores this rank owns
+    # Torch threads on CPU for a step whose plan says no request streams (the cores the serving
+    # path otherwise keeps; workers/cpu_threads.py); None: `num_threads` for every step.
+    quiet_num_threads: int | None = None
     device: str = "auto"  # "auto" = cuda when available

@@ -22,7 +22,7 @@ from pagedray.cli.serve_runtime import (
     proxy_port,
     wait_until_ready,
 )
-from pagedray.workers.cpu_threads import serving_threads_per_rank
+from pagedray.workers.cpu_threads import serving_thread_counts
 
 APP_NAME = "pagedray"
 API_KEY_ENV = "PAGEDRAY_API_KEY"
@@ -83,7 +83,8 @@ def add_serve_parser(commands: Any) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch threads per rank on a CPU (default: the cores but one, split among ranks)",
+        help="torch threads per rank on a CPU, for every step (default: the cores but one, split "
+        "among ranks, while a request streams; all of them while none does)",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
@@ -184,13 +185,14 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in app_args.items() if value is not None}
 
 
-def local_threads_per_rank(args: argparse.Namespace) -> int | None:
+def local_thread_counts(args: argparse.Namespace) -> dict[str, int]:
     """Torch threads per rank when every engine runs on this machine and the flags leave them
-    to us: all its cores but one, split among all the engines' ranks (an engine replica alone
-    would count only its own ranks). None with --device cuda or --num-threads."""
+    to us: all its cores but one while a request streams, all while none does, split among all
+    the engines' ranks (an engine replica alone would count only its own ranks). Empty with
+    --device cuda or --num-threads."""
     if args.num_threads is not None or args.device == "cuda":
-        return None
-    return serving_threads_per_rank(_max_engines(args) * args.tensor_parallel_size)
+        return {}
+    return serving_thread_counts(_max_engines(args) * args.tensor_parallel_size)
 
 
 def _max_engines(args: argparse.Namespace) -> int:
@@ -223,8 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if local:
         # NOTE: before Ray is imported: Serve reads these when its modules load.
         os.environ.update(lean_serve_env(args.port, args.num_ingress_replicas))
-    if local and (threads := local_threads_per_rank(args)) is not None:
-        app_args["num_threads"] = threads
+    if local:
+        app_args.update(local_thread_counts(args))
     import ray
     from ray import serve
     from ray.serve.api import _run

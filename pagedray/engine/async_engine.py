@@ -241,7 +241,11 @@ class AsyncEngine:
                     continue
                 num_steps = self.engine.num_steps
                 self._step_started = time.monotonic()
-                step = asyncio.get_running_loop().run_in_executor(compute, self.engine.step)
+                # What the workers' thread count depends on (workers/cpu_threads.py).
+                streaming = any(stream.streaming for stream in self._streams.values())
+                step = asyncio.get_running_loop().run_in_executor(
+                    compute, self.engine.step, streaming
+                )
                 try:
                     if finished_step is not None:
                         self._complete(finished_step)
@@ -336,11 +340,7 @@ class AsyncEngine:
                 self.output_processor.requests.pop(request_id)
                 output.finished = True
                 output.usage = usage_of(state)
-                output.metrics = {
-                    "arrival_time": state.arrival_time,
-                    "first_token_time": state.first_token_time or 0.0,
-                    "finish_time": state.finish_time or 0.0,
-                }
+                output.metrics = state.timing()
                 self._recorder.finished(state)
             request_stream = self._streams.get(request_id)
             if request_stream is not None:

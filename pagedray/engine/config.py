@@ -48,6 +48,9 @@ class EngineConfig(BaseModel):
     # and its KV blocks freed; 0 = no deadline.
     request_timeout_s: float = Field(600.0, ge=0)
     num_threads: int | None = Field(None, ge=1)  # torch threads per worker on CPU
+    # Serving on CPU: torch threads per worker for a step in which no request streams (the
+    # cores otherwise left to the serving path; workers/cpu_threads.py). None: `num_threads`.
+    quiet_num_threads: int | None = Field(None, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     use_ray_workers: bool = False  # run even a single rank as a Ray actor (the serving path)
     # How a step reaches the worker actors: named pipes on the node, a Ray Compiled Graph, or
@@ -107,5 +110,6 @@ class EngineConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             seed=self.seed,
             num_threads=self.num_threads,
+            quiet_num_threads=self.quiet_num_threads,
             device=self.device,
         )

@@ -105,12 +105,16 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
             error=self.error[1] if self.error is not None else None,
-            metrics={
-                "arrival_time": self.arrival_time,
-                "first_token_time": self.first_token_time or 0.0,
-                "finish_time": self.finish_time or 0.0,
-            },
+            metrics=self.timing(),
         )
+
+    def timing(self) -> dict[str, float]:
+        """When it arrived, sampled its first token and finished (time.time(); 0.0: not yet)."""
+        return {
+            "arrival_time": self.arrival_time,
+            "first_token_time": self.first_token_time or 0.0,
+            "finish_time": self.finish_time or 0.0,
+        }
 
 
 class OutputProcessor:

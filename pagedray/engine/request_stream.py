@@ -25,6 +25,9 @@ class RequestStream:
         self.coalescer = StreamCoalescer(stream_interval)
         self.queue: asyncio.Queue[RequestStepOutput | BaseException] = asyncio.Queue()
         self.send: Sink = sink if sink is not None else self.queue.put_nowait
+        # Whether its outputs go out as they come (a streaming client, or stop strings to watch),
+        # rather than once, at the end.
+        self.streaming = stream_interval is not None
 
     def put(self, output: RequestStepOutput) -> None:
         self.coalescer.add(output)

@@ -743,7 +743,7 @@ def broken_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
 
         engine, executor, tokenizer, validator = build_engine(config)
 
-        def step() -> list[Any]:
+        def step(streaming: bool = True) -> list[Any]:
             raise RuntimeError("injected step failure")
 
         engine.step = step

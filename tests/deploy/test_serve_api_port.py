@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray.observability.grafana_dashboard import dashboard_json
 from pagedray.observability.ray_grafana import DASHBOARD_FILE
-from pagedray.workers.cpu_threads import serving_threads_per_rank
+from pagedray.workers.cpu_threads import quiet_threads_per_rank, serving_threads_per_rank
 
 KEY = "sk-api-port-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -110,6 +110,8 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         assert whole.json()["usage"]["completion_tokens"] == 4
         replicas = client.get("/stats").json()["replicas"]
         assert [replica["num_threads"] for replica in replicas] == [serving_threads_per_rank(1)]
+        quiet = [replica["quiet_num_threads"] for replica in replicas]
+        assert quiet == [quiet_threads_per_rank(1)]
         # The dashboard lies where the Grafana of Ray's session loads Ray's own dashboards.
         grafana = (server.ray_tmp / "session_latest" / "metrics" / "grafana").resolve()
         assert (grafana / "dashboards" / DASHBOARD_FILE).read_text() == dashboard_json()

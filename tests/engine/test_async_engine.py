@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
 from pagedray.engine.admission import (
     EngineOverloadedError,
@@ -102,7 +103,7 @@ def test_failing_step_fails_requests_and_kills_health(tiny_llama: str) -> None:
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama)
 
-        def step() -> list[Any]:
+        def step(streaming: bool = True) -> list[Any]:
             raise RuntimeError("boom")
 
         engine.engine.step = step  # type: ignore[method-assign]
@@ -122,9 +123,9 @@ def test_stuck_step_is_unhealthy(tiny_llama: str) -> None:
         release = threading.Event()
         real_step = engine.engine.step
 
-        def slow_step() -> list[Any]:
+        def slow_step(streaming: bool = True) -> list[Any]:
             release.wait(5)
-            return real_step()
+            return real_step(streaming)
 
         engine.engine.step = slow_step  # type: ignore[method-assign]
         stream = engine.add_request("r", tokenizer.encode("hi"), GREEDY)
@@ -320,6 +321,35 @@ def test_fcfs_full_queue_refuses_whatever_the_priority(tiny_llama: str) -> None:
             engine.add_request("urgent", ids, GREEDY, priority=-1)
         await running.aclose()
         assert (await _drain(waiting))[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_step_runs_on_every_core_only_while_no_request_streams(tiny_llama: str) -> None:
+    """The plan tells the worker whether a request in flight streams: `quiet_num_threads` while
+    none does, `num_threads` while one does; a request's greedy tokens are the same either way."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama, quiet_num_threads=2)
+        runner = engine.engine.executor.worker.runner
+        execute, threads_by_step = runner.execute_model, []
+
+        def counting_threads(plan: Any) -> Any:  # on the compute thread, as the step runs
+            threads_by_step.append(torch.get_num_threads())
+            return execute(plan)
+
+        runner.execute_model = counting_threads
+        prompt = tokenizer.encode("a quiet one")
+        alone = await _drain(engine.add_request("alone", prompt, params, stream_interval=None))
+        assert set(threads_by_step) == {2}
+        threads_by_step.clear()
+        beside = engine.add_request("beside", prompt, params, stream_interval=None)
+        streamed = engine.add_request("streamed", tokenizer.encode("loud"), params)
+        together = await asyncio.gather(_drain(beside), _drain(streamed))
+        assert set(threads_by_step) == {1}
+        assert _tokens(together[0]) == _tokens(alone)
         await engine.shutdown()
 
     asyncio.run(run())

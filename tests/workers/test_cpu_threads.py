@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pagedray.workers.cpu_threads import (
     RESERVED_SERVING_CORES,
+    quiet_threads_per_rank,
     serving_threads_per_rank,
     usable_cores,
 )
@@ -37,9 +38,21 @@ def test_every_rank_gets_a_thread_and_one_core_stays_free_where_there_is_one(
         assert threads == 1
 
 
+@given(st.integers(1, 512), st.integers(1, 64))
+def test_a_quiet_step_takes_the_reserved_cores_too_and_no_more(cores: int, ranks: int) -> None:
+    quiet = quiet_threads_per_rank(ranks, cores)
+    assert quiet >= serving_threads_per_rank(ranks, cores)
+    if cores >= ranks:
+        assert quiet * ranks <= cores < (quiet + 1) * ranks
+    else:
+        assert quiet == 1
+
+
 def test_no_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         serving_threads_per_rank(0, 8)
+    with pytest.raises(ValueError, match="at least 1"):
+        quiet_threads_per_rank(0, 8)
 
 
 def test_a_cgroup_quota_caps_the_affinity(tmp_path: Path) -> None:
