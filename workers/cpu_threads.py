@@ -10,8 +10,9 @@ and a lone request's 64 tokens in 154 ms against 136. vLLM's CPU build reserves 
 API and engine-core processes the same way (`VLLM_CPU_NUM_OF_RESERVED_CPU`, 1 by default).
 
 A serving rank without `num_threads` gets `serving_threads_per_rank`: the cores this process may
-use (its affinity, lowered by a cgroup's CPU quota, v2 or v1, as a container's CPU limit sets), less
-`RESERVED_SERVING_CORES`, split evenly among the ranks that share the node, at least one each.
+use (its affinity, lowered by the least CPU quota of its cgroup and its ancestors, v2 or v1, as a
+container's or a pod's CPU limit sets; cgroups.py), less `RESERVED_SERVING_CORES`, split evenly
+among the ranks that share the node, at least one each.
 
 The reserved core is for work done per streamed token. While no request in flight streams (every
 client waits for its whole completion), the serving path wakes only as requests arrive and finish,
@@ -27,33 +28,37 @@ import math
 import os
 from pathlib import Path
 
+from pagedray.workers.cgroups import CGROUP_ROOT, PROC_SELF_CGROUP, cgroup_levels, read_text
+
 # Cores left to the serving path (ingress, engine loop, Ray) on each node.
 RESERVED_SERVING_CORES = 1
-# cgroup v2's CPU limit: "<quota> <period>" in microseconds, or "max <period>" for none.
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-# cgroup v1's: the quota (-1 for none) and the period, in microseconds, in two files.
-CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 
 
-def usable_cores(cpu_max: Path = CGROUP_CPU_MAX, cgroup_v1_cpu: Path = CGROUP_V1_CPU) -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota."""
+def usable_cores(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) -> int:
+    """Cores this process may run on: its CPU affinity, capped by the least CPU quota of its
+    cgroup and its ancestors (cgroups.py)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
-    quota = _cgroup_quota(cpu_max, cgroup_v1_cpu)
-    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+    levels, v2 = cgroup_levels("cpu", proc_cgroup, root)
+    quota_of = _v2_quota if v2 else _v1_quota
+    quotas = [quota for level in levels if (quota := quota_of(level)) is not None]
+    return cores if not quotas else max(1, min(cores, math.ceil(min(quotas))))
 
 
-def _cgroup_quota(cpu_max: Path, cgroup_v1_cpu: Path) -> float | None:
-    """The CPU quota in cores (v2 first, then v1); None when there is none."""
+def _v2_quota(level: Path) -> float | None:
+    """cpu.max: "<quota> <period>" in microseconds, or "max <period>" for none; in cores."""
+    fields = (read_text(level / "cpu.max") or "").split()
+    if len(fields) < 2 or not fields[0].isdigit() or not fields[1].isdigit():
+        return None
+    return int(fields[0]) / int(fields[1]) if int(fields[1]) > 0 else None
+
+
+def _v1_quota(level: Path) -> float | None:
+    """cpu.cfs_quota_us (-1 for none) over cpu.cfs_period_us, in cores."""
     try:
-        quota, period = cpu_max.read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int((cgroup_v1_cpu / "cpu.cfs_quota_us").read_text())
-        period_us = int((cgroup_v1_cpu / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
+        quota_us = int(read_text(level / "cpu.cfs_quota_us") or "")
+        period_us = int(read_text(level / "cpu.cfs_period_us") or "")
+    except ValueError:
         return None
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 

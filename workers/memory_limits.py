@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedray.workers.cgroups import CGROUP_ROOT, PROC_SELF_CGROUP, cgroup_levels, read_text
+
 PROC_MEMINFO = Path("/proc/meminfo")
-# This process's cgroups: "0::<path>" (v2), "<n>:<controllers>:<path>" (v1).
-PROC_SELF_CGROUP = Path("/proc/self/cgroup")
-# Where the hierarchies are mounted: v2 itself (it has cgroup.controllers), v1's under memory/.
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 # v1 reports "no limit" as the largest page-aligned count (about 2^63): anything this large is.
 V1_UNLIMITED_BYTES = 1 << 62
 
@@ -36,53 +34,24 @@ def cgroup_headroom_bytes(
     proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT
 ) -> int | None:
     """The least headroom (limit less usage, reclaimable page cache counted as free) of this
-    process's memory cgroup and its ancestors; None when none of them sets a limit.
-
-    Ancestors count: Kubernetes sets a pod's limit on the pod's cgroup, above its containers'.
-    In a container with its own cgroup namespace the process's path reads "/" and the mount is
-    already its own cgroup; without one, the path is looked up under the mount.
+    process's memory cgroup and its ancestors (cgroups.py); None when none of them sets a limit.
     """
-    v2 = (root / "cgroup.controllers").exists()
-    mount = root if v2 else root / "memory"
-    own = _own_path(_read(proc_cgroup) or "", v2)
-    if own is None:
-        return None
-    directory = mount / own.lstrip("/")
-    # A path outside this namespace's view ("/../x": the process's cgroup is not under the
-    # namespace's root) or not under the mount: the mount is then the process's own cgroup.
-    if ".." in Path(own).parts or not directory.is_dir():
-        directory = mount
-    headrooms = []
-    for level in [directory, *directory.parents]:
-        headroom = _v2_headroom(level) if v2 else _v1_headroom(level)
-        if headroom is not None:
-            headrooms.append(headroom)
-        if level == mount:
-            break
+    levels, v2 = cgroup_levels("memory", proc_cgroup, root)
+    headroom_of = _v2_headroom if v2 else _v1_headroom
+    headrooms = [headroom for level in levels if (headroom := headroom_of(level)) is not None]
     return min(headrooms) if headrooms else None
 
 
-def _own_path(proc_cgroup_text: str, v2: bool) -> str | None:
-    for line in proc_cgroup_text.splitlines():
-        number, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if v2 and number == "0" and controllers == "":
-            return path
-        if not v2 and "memory" in controllers.split(","):
-            return path
-    return None
-
-
 def _v2_headroom(level: Path) -> int | None:
-    limit = _read(level / "memory.max")
+    limit = read_text(level / "memory.max")
     if limit is None or not limit.isdigit():  # "max": no limit here
         return None
-    usage = _read(level / "memory.current")
+    usage = read_text(level / "memory.current")
     return _headroom(int(limit), usage, _stat(level / "memory.stat").get("inactive_file", 0))
 
 
 def _v1_headroom(level: Path) -> int | None:
-    own = _read(level / "memory.limit_in_bytes")
+    own = read_text(level / "memory.limit_in_bytes")
     stat = _stat(level / "memory.stat")
     # "hierarchical_memory_limit" is the least limit of this cgroup and its ancestors: with the
     # container's own cgroup mounted at the root, the only sight of a limit set above it. Held
@@ -92,7 +61,7 @@ def _v1_headroom(level: Path) -> int | None:
     limit = min(limits, default=V1_UNLIMITED_BYTES)
     if limit >= V1_UNLIMITED_BYTES:
         return None
-    usage = _read(level / "memory.usage_in_bytes")
+    usage = read_text(level / "memory.usage_in_bytes")
     # v1's "inactive_file" is this cgroup's own; "total_" adds its children's, as usage does.
     reclaimable = stat.get("total_inactive_file", stat.get("inactive_file", 0))
     return _headroom(limit, usage, reclaimable)
@@ -106,7 +75,7 @@ def _headroom(limit: int, usage: str | None, reclaimable: int) -> int | None:
 
 
 def _mem_available(meminfo: Path) -> int | None:
-    text = _read(meminfo)
+    text = read_text(meminfo)
     for line in (text or "").splitlines():
         if line.startswith("MemAvailable:"):
             fields = line.split()
@@ -117,15 +86,8 @@ def _mem_available(meminfo: Path) -> int | None:
 def _stat(path: Path) -> dict[str, int]:
     """A memory.stat file's "key value" lines."""
     entries = {}
-    for line in (_read(path) or "").splitlines():
+    for line in (read_text(path) or "").splitlines():
         key, _, value = line.partition(" ")
         if value.strip().isdigit():
             entries[key] = int(value)
     return entries
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None

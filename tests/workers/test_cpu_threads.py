@@ -55,23 +55,55 @@ def test_no_ranks_is_refused() -> None:
         quiet_threads_per_rank(0, 8)
 
 
+def _v2_root(tmp_path: Path, proc_text: str) -> tuple[Path, Path]:
+    """A v2 mount (with cgroup.controllers) and a /proc/self/cgroup that reads `proc_text`."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    proc = tmp_path / "self_cgroup"
+    proc.write_text(proc_text)
+    return root, proc
+
+
 def test_a_cgroup_quota_caps_the_affinity(tmp_path: Path) -> None:
+    """v2 in a cgroup namespace: the mount is the container's own cgroup."""
     affinity = len(os.sched_getaffinity(0))
-    cpu_max, v1 = tmp_path / "cpu.max", tmp_path / "v1"
-    cpu_max.write_text("max 100000\n")
-    assert usable_cores(cpu_max, v1) == affinity
-    cpu_max.write_text("50000 100000\n")  # half a core: still one
-    assert usable_cores(cpu_max, v1) == 1
-    cpu_max.write_text(f"{(affinity + 3) * 100000} 100000\n")  # a quota above the affinity
-    assert usable_cores(cpu_max, v1) == affinity
-    assert usable_cores(tmp_path / "absent", v1) == affinity
+    root, proc = _v2_root(tmp_path, "0::/\n")
+    assert usable_cores(proc, root) == affinity  # no cpu.max at all
+    (root / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(proc, root) == affinity
+    (root / "cpu.max").write_text("50000 100000\n")  # half a core: still one
+    assert usable_cores(proc, root) == 1
+    (root / "cpu.max").write_text(f"{(affinity + 3) * 100000} 100000\n")  # above the affinity
+    assert usable_cores(proc, root) == affinity
+    assert usable_cores(tmp_path / "absent", root) == affinity  # no /proc/self/cgroup
+
+
+def test_a_pod_quota_above_the_container_counts_seen_from_the_host(tmp_path: Path) -> None:
+    """No cgroup namespace: the process's path is looked up under the mount, and a quota on an
+    ancestor (a Kubernetes pod's, above its containers') caps it as its own would."""
+    root, proc = _v2_root(tmp_path, "0::/kubepods/pod7/app\n")
+    container = root / "kubepods" / "pod7" / "app"
+    container.mkdir(parents=True)
+    (container / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(proc, root) == len(os.sched_getaffinity(0))
+    (container.parent / "cpu.max").write_text("100000 100000\n")  # the pod: one core
+    assert usable_cores(proc, root) == 1
 
 
 def test_a_cgroup_v1_quota_counts_where_there_is_no_v2(tmp_path: Path) -> None:
-    v1 = tmp_path / "v1"
-    v1.mkdir()
+    root = tmp_path / "cgroup"
+    v1 = root / "cpu" / "docker" / "c1"
+    v1.mkdir(parents=True)
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("4:memory:/docker/c1\n3:cpu,cpuacct:/docker/c1\n")
     (v1 / "cpu.cfs_period_us").write_text("100000\n")
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")  # no limit
-    assert usable_cores(tmp_path / "absent", v1) == len(os.sched_getaffinity(0))
+    assert usable_cores(proc, root) == len(os.sched_getaffinity(0))
     (v1 / "cpu.cfs_quota_us").write_text("100000\n")  # one core
-    assert usable_cores(tmp_path / "absent", v1) == 1
+    assert usable_cores(proc, root) == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/cgroup").exists(), reason="no cgroups: not Linux")
+def test_this_machine_reads_within_its_affinity() -> None:
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
