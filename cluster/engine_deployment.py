@@ -367,6 +367,8 @@ def _with_serving_threads(config: EngineConfig) -> EngineConfig:
     if config.num_threads is not None or _uses_gpu(config):
         return config
     counts = serving_thread_counts(config.tensor_parallel_size)
+    if config.quiet_num_threads is not None:  # the config's own stands
+        counts["quiet_num_threads"] = config.quiet_num_threads
     logger.info(
         "%d torch thread(s) per rank while a request streams (the node's cores but %d), %d while "
         "none does, over %d rank(s) (--num-threads fixes it)", counts["num_threads"],

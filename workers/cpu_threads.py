@@ -1,4 +1,5 @@
-"""How many torch threads a serving engine's ranks get on a CPU: all of the node but one core.
+"""How many torch threads a serving engine's ranks get on a CPU: all of the node but one core
+while a request streams, all of it while none does.
 
 Offline, the model is all a process runs, and `LLM` leaves torch at its default: every core.
 Served, the same cores also run the ingress (tokens to text, SSE), the engine's event loop,
@@ -15,7 +16,8 @@ container's or a pod's CPU limit sets; cgroups.py), less `RESERVED_SERVING_CORES
 among the ranks that share the node, at least one each.
 
 The reserved core is for work done per streamed token. While no request in flight streams (every
-client waits for its whole completion), the serving path wakes only as requests arrive and finish,
+client waits for its whole completion; stop strings count as streaming, since the ingress reads
+such a request's tokens as they come), the serving path wakes only as requests arrive and finish,
 and the reserved core would idle beside a model held to the others: such a step runs on
 `quiet_threads_per_rank`, every core. Measured on 2 cores (`benchmarks/http_throughput.py`, 64
 requests not streamed, as a share of `LLM.generate` in the same run): 0.40x with the model on

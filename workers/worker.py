@@ -35,8 +35,9 @@ class Worker:
         self.rank = rank
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        # Torch threads as last set, on the thread that builds and steps this worker.
-        self.num_threads = torch.get_num_threads()
+        # Torch threads for a step while a request streams (or for every step, without
+        # `quiet_num_threads`): as set, else as torch has them on the building thread.
+        self.serving_num_threads = config.num_threads or torch.get_num_threads()
         self.device = _pick_device(config.device, rank)
         if self.device.type == "cpu":
             tune_malloc()
@@ -114,9 +115,10 @@ class Worker:
             sampler = Sampler(mc.eos_token_id, generator)
         if self.device.type == "cpu":
             # Decode steps run at batch sizes up to max_num_seqs: compile the small ones first,
-            # at each thread count a step may run on (oneDNN compiles a primitive for each).
+            # at each thread count a step may run on (oneDNN compiles a primitive for each),
+            # ending on the serving count.
             rows = min(self.config.max_num_seqs, WARM_UP_ROWS)
-            for streaming in (False, True):  # ending on the count a step starts with
+            for streaming in (False, True) if self._switches_threads() else (True,):
                 self._use_threads_for(streaming)
                 warm_up(self.model, rows, WARM_UP_BUDGET_S)
         self.runner = ModelRunner(
@@ -134,17 +136,20 @@ class Worker:
         self._use_threads_for(scheduler_output.streaming)
         return self.runner.execute_model(scheduler_output)
 
+    def _switches_threads(self) -> bool:
+        """Whether steps run on two thread counts: a CPU rank whose quiet count differs."""
+        quiet = self.config.quiet_num_threads
+        return self.device.type == "cpu" and quiet not in (None, self.serving_num_threads)
+
     def _use_threads_for(self, streaming: bool) -> None:
-        """On a CPU with `quiet_num_threads`: that many torch threads for a step in which no
-        request streams, `num_threads` for any other (workers/cpu_threads.py). Call it on the
-        thread that steps: OpenMP keeps the count per thread."""
-        quiet, serving = self.config.quiet_num_threads, self.config.num_threads
-        if quiet is None or serving is None or self.device.type != "cpu":
+        """`quiet_num_threads` torch threads for a step in which no request streams, the serving
+        count for any other (workers/cpu_threads.py); nothing where they do not differ. Call it
+        on the thread that steps: OpenMP keeps the count per thread, so it is read there."""
+        if not self._switches_threads():
             return
-        wanted = serving if streaming else quiet
-        if wanted != self.num_threads:
+        wanted = self.serving_num_threads if streaming else self.config.quiet_num_threads
+        if wanted is not None and wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
-            self.num_threads = wanted
 
 
 def _pick_device(device: str, rank: int) -> torch.device:

@@ -117,5 +117,7 @@ def test_an_engine_replica_without_threads_leaves_a_core_to_serving(tiny_llama: 
     assert config.quiet_num_threads == quiet_threads_per_rank(2)
     fixed = _with_serving_threads(EngineConfig(**base, num_threads=3))
     assert (fixed.num_threads, fixed.quiet_num_threads) == (3, None)
+    quiet = _with_serving_threads(EngineConfig(**base, quiet_num_threads=5))
+    assert (quiet.num_threads, quiet.quiet_num_threads) == (serving_threads_per_rank(2), 5)
     cuda = {**base, "device": "cuda"}
     assert _with_serving_threads(EngineConfig(**cuda)).num_threads is None

@@ -94,7 +94,8 @@ def _onednn_dtypes() -> frozenset[torch.dtype]:
         return frozenset()
     # oneDNN compiles a primitive per input shape and keeps 1,024: five projections of a layer
     # at every batch size up to 256 sequences already need more, and past its capacity the cache
-    # thrashes (a sweep of 300 sizes: 0.97 s, 0.42 s with room). Read when oneDNN first builds
+    # thrashes (a sweep of 300 sizes: 0.97 s, 0.42 s with room). A primitive is also per thread
+    # count, and a serving rank steps at two (workers/cpu_threads.py). Read when oneDNN first builds
     # a primitive, which the probe below does; a value the user set stays.
     os.environ.setdefault(CACHE_CAPACITY_ENV, str(CACHE_CAPACITY))
     has_op = hasattr(torch.ops.mkldnn, "_linear_pointwise")
