@@ -21,7 +21,8 @@ such a request's tokens as they come), the serving path wakes only as requests a
 and the reserved core would idle beside a model held to the others: such a step runs on
 `quiet_threads_per_rank`, every core. Measured on 2 cores (`benchmarks/http_throughput.py`, 64
 requests not streamed, as a share of `LLM.generate` in the same run): 0.40x with the model on
-1 thread, 0.52x on 2 (single runs); with this policy 0.53x (median of 3), streaming unchanged.
+1 thread, 0.52x on 2 (single runs); with this policy 0.53x and 0.60x (two runs, medians of 3),
+streaming unchanged.
 """
 
 from __future__ import annotations
