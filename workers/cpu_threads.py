@@ -69,25 +69,27 @@ def _v1_quota(level: Path) -> float | None:
 def serving_threads_per_rank(ranks_on_node: int, cores: int | None = None) -> int:
     """Torch threads for each of `ranks_on_node` serving ranks: the node's usable cores but
     `RESERVED_SERVING_CORES`, split evenly, at least 1."""
-    if ranks_on_node < 1:
-        raise ValueError(f"ranks_on_node must be at least 1, not {ranks_on_node}")
-    cores = usable_cores() if cores is None else cores
-    return max(1, (cores - RESERVED_SERVING_CORES) // ranks_on_node)
+    return _split(ranks_on_node, cores, RESERVED_SERVING_CORES)
 
 
 def quiet_threads_per_rank(ranks_on_node: int, cores: int | None = None) -> int:
     """Torch threads for each of `ranks_on_node` serving ranks in a step in which no request
     streams: the node's usable cores, none reserved, split evenly, at least 1."""
-    if ranks_on_node < 1:
-        raise ValueError(f"ranks_on_node must be at least 1, not {ranks_on_node}")
-    cores = usable_cores() if cores is None else cores
-    return max(1, cores // ranks_on_node)
+    return _split(ranks_on_node, cores, 0)
 
 
 def serving_thread_counts(ranks_on_node: int) -> dict[str, int]:
     """The engine config's thread fields for serving ranks that share this node: `num_threads`
     (a step while a request streams) and `quiet_num_threads` (one while none does)."""
+    cores = usable_cores()
     return {
-        "num_threads": serving_threads_per_rank(ranks_on_node),
-        "quiet_num_threads": quiet_threads_per_rank(ranks_on_node),
+        "num_threads": serving_threads_per_rank(ranks_on_node, cores),
+        "quiet_num_threads": quiet_threads_per_rank(ranks_on_node, cores),
     }
+
+
+def _split(ranks_on_node: int, cores: int | None, reserved: int) -> int:
+    if ranks_on_node < 1:
+        raise ValueError(f"ranks_on_node must be at least 1, not {ranks_on_node}")
+    cores = usable_cores() if cores is None else cores
+    return max(1, (cores - reserved) // ranks_on_node)
