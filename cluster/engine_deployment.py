@@ -21,23 +21,20 @@ from pagedray.cluster.engine_autoscaling import report as autoscaling_report
 from pagedray.cluster.engine_router import DEFAULT_LOAD_THRESHOLD, EngineRequestRouter
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
-from pagedray.engine.admission import (
-    RETRY_AFTER_S,
-    EngineOverloadedError,
-    RequestAbortedError,
-    RequestTimeoutError,
-)
-from pagedray.engine.async_engine import (
-    DEFAULT_STUCK_AFTER_S,
-    AsyncEngine,
-    EngineDeadError,
-    RequestFailedError,
-)
+from pagedray.engine.admission import RETRY_AFTER_S
+from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.request_errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from pagedray.engine.request_stream import Sink
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.workers.compute_thread import compute_thread

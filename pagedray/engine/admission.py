@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Container, Iterable
 
+from pagedray.engine.request_errors import EngineOverloadedError, RequestTimeoutError
+from pagedray.scheduler.request import EngineRequest, Request, RequestStatus
+
 # A request not finished this long after it arrived is aborted, its blocks freed (504).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 # Without `max_num_waiting`, the serving queue holds at most this many full batches, and no more
@@ -22,19 +25,6 @@ DEFAULT_WAITING_BATCHES = 2
 DEGRADED_HOLD_S = 5.0
 # What a 503 tells the client to wait before retrying (Retry-After), seconds.
 RETRY_AFTER_S = 1
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full: the request was refused (or gave way), try again later."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request outlived its deadline (`request_timeout_s`); it was aborted, blocks freed."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted from outside its own stream (its output channel closed, or an
-    `abort` call); its blocks were freed."""
 
 
 def default_max_num_waiting(max_num_seqs: int, num_kv_blocks: int) -> int:
@@ -49,6 +39,19 @@ class WaitingRequest:
     priority: int  # lower runs first
     arrival_time: float  # seconds, time.time()
     request_id: str
+
+
+def not_started(
+    pending: Iterable[EngineRequest], waiting: Iterable[Request], live: Callable[[str], bool]
+) -> list[WaitingRequest]:
+    """Accepted requests that have not run yet: `pending` (not yet handed to the scheduler), or
+    `waiting` in the scheduler never admitted (a preempted one has streamed tokens: it keeps its
+    place) and still `live`."""
+    found = [WaitingRequest(req.priority, req.arrival_time, req.req_id) for req in pending]
+    for req in waiting:
+        if req.status is RequestStatus.WAITING and live(req.req_id):
+            found.append(WaitingRequest(req.priority, req.arrival_time, req.req_id))
+    return found
 
 
 class Admission:

@@ -1,8 +1,9 @@
 """The engine core driven from asyncio: many concurrent requests, one continuous-batching loop.
 
 `EngineCore` is not thread-safe: every call into it happens on the event loop while no step is in
-flight; `step()` runs on the compute thread (workers/compute_thread.py), keeping the loop free
-for requests, aborts, health checks and the last step's bookkeeping while the model runs.
+flight; steps run on the compute thread (workers/compute_thread.py), back to back while the loop
+has nothing for the engine (engine/step_runner.py), keeping the loop free for requests, aborts,
+health checks and the finished steps' outputs while the model runs.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from pagedray.engine.admission import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Admission,
-    EngineOverloadedError,
-    RequestAbortedError,
     WaitingRequest,
     default_max_num_waiting,
+    not_started,
 )
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
+from pagedray.engine.request_errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from pagedray.engine.request_stream import RequestStream, Sink
-from pagedray.engine.step_metrics import StepMetricsRecorder, StepRecord
+from pagedray.engine.step_metrics import StepMetricsRecorder
 from pagedray.engine.step_outputs import RequestStepOutput, usage_of
+from pagedray.engine.step_runner import FinishedStep, StepRunner
 from pagedray.scheduler.engine_core import EngineCore
-from pagedray.scheduler.request import EngineRequest, RequestStatus
+from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.compute_thread import compute_thread
 
@@ -40,28 +47,7 @@ DEFAULT_STUCK_AFTER_S = 120.0
 # default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
 METRICS_REFRESH_S = 1.0
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step raised); no request can be served by this engine."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine ended this request alone with an error (e.g. its sampling failed)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _FinishedStep:
-    """A step's outputs, not yet handed to the streams."""
-
-    deltas: list[ChoiceDelta]
-    record: StepRecord | None  # None: the call ran no step (nothing was schedulable)
 
 
 @dataclass
@@ -99,7 +85,7 @@ class AsyncEngine:
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._step_started: float | None = None  # time.monotonic() while a step is in flight
+        self._runner = StepRunner(engine)
         self._error: BaseException | None = None
         self._stats = self.engine.stats()  # a snapshot, refreshed only while no step runs
 
@@ -185,8 +171,8 @@ class AsyncEngine:
             error = f"engine loop died: {self._error!r}"
         elif self._task is not None and self._task.done():
             error = "engine loop stopped"
-        elif self._step_started is not None:
-            running_for = time.monotonic() - self._step_started
+        elif (started := self._runner.started) is not None:
+            running_for = time.monotonic() - started
             if running_for > self.stuck_after_s:
                 error = f"engine step has been running for {running_for:.1f}s (stuck)"
         return {
@@ -197,7 +183,7 @@ class AsyncEngine:
         }
 
     def stats(self) -> dict[str, Any]:
-        if self._step_started is None:
+        if self._runner.started is None:
             self._stats = self.engine.stats()
         return {
             **self._stats,
@@ -221,12 +207,13 @@ class AsyncEngine:
     # ---- the loop ------------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
-        """schedule → execute → update. A step's outputs go to the streams and metrics while
-        the next step runs; only what the next plan depends on (stopped requests, new requests,
-        aborts) is done between steps."""
+        """schedule → execute → update, in runs of steps (`StepRunner`). A step's outputs go to
+        the streams and metrics while the next step runs; only what the next plan depends on
+        (stop strings found here, new requests, aborts) is done between runs."""
         assert self._wakeup is not None
-        finished_step: _FinishedStep | None = None
+        finished_step: FinishedStep | None = None
         compute = compute_thread()
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 self._apply_pending()
@@ -239,12 +226,10 @@ class AsyncEngine:
                     self._wakeup.clear()
                     await self._wait_for_work()
                     continue
-                num_steps = self.engine.num_steps
-                self._step_started = time.monotonic()
-                # What the workers' thread count depends on (workers/cpu_threads.py).
-                streaming = any(stream.streaming for stream in self._streams.values())
-                step = asyncio.get_running_loop().run_in_executor(
-                    compute, self.engine.step, streaming
+                self._runner.started = time.monotonic()
+                self._runner.streaming = self._any_streaming()
+                steps = loop.run_in_executor(
+                    compute, self._runner.run, loop, self._hand_over, self._may_run_on
                 )
                 try:
                     if finished_step is not None:
@@ -252,24 +237,45 @@ class AsyncEngine:
                         finished_step = None
                     self._expire_deadlines()
                     self._recorder.stats(self._stats)
-                    outputs = await step
+                    finished_step = await steps
                 finally:
-                    self._step_started = None
-                deltas, stopped = self.output_processor.process(outputs)
-                if stopped:
-                    self.engine.stop_requests(stopped)
-                self._stats = self.engine.stats()
-                record = None
-                if self.engine.num_steps > num_steps:
-                    record = StepRecord.of(self.engine, sum(len(o.new_token_ids) for o in outputs))
-                finished_step = _FinishedStep(deltas, record)
+                    self._runner.started = None
+                if (failure := self._runner.failure) is not None:
+                    raise failure  # a step handed over mid-run failed on the loop
+                self._process(finished_step)
         except asyncio.CancelledError:
+            self._runner.stopping = True
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine, loudly
+            self._runner.stopping = True
             self._error = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
 
-    def _complete(self, finished_step: _FinishedStep) -> None:
+    def _hand_over(self, finished_step: FinishedStep) -> None:
+        """A step of a run that goes on: its outputs out now, while the next one runs."""
+        self._process(finished_step)
+        self._complete(finished_step)
+        self._expire_deadlines()
+        self._recorder.stats(self._stats)
+        self._runner.streaming = self._any_streaming()
+
+    def _may_run_on(self) -> bool:
+        """Read on the compute thread between a run's steps: nothing waits for the engine."""
+        stop_strings = self.output_processor.finds_stop_strings
+        return not (self._pending or self._pending_aborts or stop_strings)
+
+    def _any_streaming(self) -> bool:
+        """What the workers' thread count depends on (workers/cpu_threads.py)."""
+        return any(stream.streaming for stream in self._streams.values())
+
+    def _process(self, finished_step: FinishedStep) -> None:
+        """A step's outputs through the output processor; a stop string found stops its sequence."""
+        finished_step.deltas, stopped = self.output_processor.process(finished_step.outputs)
+        if stopped:
+            self.engine.stop_requests(stopped)
+        self._stats = finished_step.stats
+
+    def _complete(self, finished_step: FinishedStep) -> None:
         """A finished step's outputs to their streams, and its metrics."""
         by_request: dict[str, list[ChoiceDelta]] = {}
         for delta in finished_step.deltas:
@@ -364,7 +370,7 @@ class AsyncEngine:
         """Between steps, an executor that can tell (`dead_rank`) is asked whether a rank died:
         the engine is then dead at once, its requests failed, rather than at the next step."""
         dead_rank = getattr(self.engine.executor, "dead_rank", None)
-        if self._error is not None or self._step_started is not None or dead_rank is None:
+        if self._error is not None or self._runner.started is not None or dead_rank is None:
             return
         rank = dead_rank()
         if rank is not None:
@@ -374,19 +380,13 @@ class AsyncEngine:
                 self._task.cancel()
 
     def _not_started(self) -> list[WaitingRequest]:
-        """Accepted requests that have not run yet: queued here, or waiting in the scheduler
-        never admitted (a preempted one has streamed tokens: it keeps its place)."""
-        waiting = [
-            WaitingRequest(item.engine_request.priority, item.engine_request.arrival_time, rid)
-            for rid, item in self._pending.items()
-        ]
         # NOTE: a step may be in flight; list() copies the queue in one go (the GIL holds), and
         # a request admitted meanwhile that is then picked is aborted like any other.
-        for req in list(self.engine.scheduler.waiting):
-            live = req.req_id in self._streams and req.req_id not in self._pending_aborts
-            if req.status is RequestStatus.WAITING and live:
-                waiting.append(WaitingRequest(req.priority, req.arrival_time, req.req_id))
-        return waiting
+        pending = [item.engine_request for item in self._pending.values()]
+        waiting = list(self.engine.scheduler.waiting)
+        return not_started(
+            pending, waiting, lambda rid: rid in self._streams and rid not in self._pending_aborts
+        )
 
     def _num_waiting(self) -> int:
         return int(self._stats["num_waiting"]) + len(self._pending)

@@ -141,6 +141,11 @@ class OutputProcessor:
         self.requests[request_id] = state
         return state
 
+    @property
+    def finds_stop_strings(self) -> bool:
+        """Whether `process` may end a sequence on a stop string: only with text to look in."""
+        return self.tokenizer is not None
+
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 

@@ -9,15 +9,17 @@ from typing import Any
 import pytest
 import torch
 
-from pagedray.engine.admission import (
-    EngineOverloadedError,
-    RequestTimeoutError,
-    default_max_num_waiting,
-)
-from pagedray.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagedray.engine.admission import default_max_num_waiting
+from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
 from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.request_errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.scheduler.sampling_params import SamplingParams
 

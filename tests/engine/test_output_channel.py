@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from pagedray.engine.admission import RequestAbortedError
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.request_errors import RequestAbortedError
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.scheduler.sampling_params import SamplingParams
 
