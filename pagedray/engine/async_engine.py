@@ -1,8 +1,8 @@
 """The engine core driven from asyncio: many concurrent requests, one continuous-batching loop.
 
-`EngineCore` is not thread-safe: every call into it happens on the event loop while no step is in
-flight; steps run on the compute thread (workers/compute_thread.py), back to back while the loop
-has nothing for the engine (engine/step_runner.py), keeping the loop free for requests, aborts,
+`EngineCore` is not thread-safe: the event loop changes it only while no run of steps is in flight;
+steps run on the compute thread (workers/compute_thread.py), back to back while the loop has
+nothing for the engine (engine/step_runner.py), keeping the loop free for requests, aborts,
 health checks and the finished steps' outputs while the model runs.
 """
 
@@ -269,7 +269,7 @@ class AsyncEngine:
         return any(stream.streaming for stream in self._streams.values())
 
     def _process(self, finished_step: FinishedStep) -> None:
-        """A step's outputs through the output processor; a stop string found stops its sequence."""
+        """A step's outputs; a stop string found (never mid-run, see `_may_run_on`) stops it."""
         finished_step.deltas, stopped = self.output_processor.process(finished_step.outputs)
         if stopped:
             self.engine.stop_requests(stopped)

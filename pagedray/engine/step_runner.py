@@ -36,9 +36,10 @@ class FinishedStep:
 
 
 class StepRunner:
-    """Runs an engine's steps on the compute thread; the event loop reads `started` and sets
-    `streaming` and `stopping`, the only state the two threads share besides the engine, which
-    only the compute thread touches while a run goes on."""
+    """Runs an engine's steps on the compute thread. Shared with the event loop: `started` (set
+    by both, read by the loop), `streaming` and `stopping` (set by the loop), `failure` (set by a
+    hand-over), and what `may_go_on` reads; each a single read or write under the GIL. While a
+    run goes on only the compute thread changes the engine."""
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
@@ -57,14 +58,19 @@ class StepRunner:
         """On the compute thread: one step, then more while `may_go_on()` (called here, so it
         may only read the loop's state) and the engine has work. Each step but the last goes
         to `hand_over` on the loop as it ends; the last is returned."""
-        while True:
-            step = self._step()
-            ran_nothing = step.record is None  # nothing schedulable: the loop waits instead
-            if ran_nothing or self.stopping or not may_go_on():
-                return step
-            if not self.engine.has_unfinished_requests():
-                return step
-            loop.call_soon_threadsafe(self._hand_over, hand_over, step)
+        try:
+            while True:
+                step = self._step()
+                ran_nothing = step.record is None  # nothing schedulable: the loop waits instead
+                if ran_nothing or self.stopping or not may_go_on():
+                    return step
+                if not self.engine.has_unfinished_requests():
+                    return step
+                loop.call_soon_threadsafe(self._hand_over, hand_over, step)
+        finally:
+            # NOTE: here too, not only by the loop: a run that the loop stopped waiting for
+            # (cancelled) may still finish a step after the loop cleared it.
+            self.started = None
 
     def _hand_over(self, hand_over: Callable[[FinishedStep], None], step: FinishedStep) -> None:
         """On the loop. A failure here is the engine's (outputs would be lost), not swallowed

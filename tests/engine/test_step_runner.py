@@ -266,3 +266,39 @@ def test_a_hand_over_failing_on_the_loop_kills_the_engine_loudly(tiny_llama: str
 
     health = asyncio.run(run())
     assert not health["healthy"] and "bad output" in health["error"]
+
+
+def test_shutdown_mid_run_stops_the_compute_thread_stepping(tiny_llama: str) -> None:
+    async def run() -> tuple[int, int]:
+        engine = _served(tiny_llama)
+        stream = engine.add_request("long", [5, 9, 13], LONG, stream_interval=1)
+        for _ in range(3):
+            await stream.__anext__()
+        await engine.shutdown()
+        at_shutdown = engine.engine.num_steps
+        await asyncio.sleep(0.3)  # tens of steps, had the run gone on
+        return at_shutdown, engine.engine.num_steps
+
+    at_shutdown, later = asyncio.run(run())
+    assert later - at_shutdown <= 1  # at most the step that was running
+
+
+def test_health_stays_healthy_through_a_run_longer_than_the_stuck_limit(tiny_llama: str) -> None:
+    """Stuck detection times each step, not the run: a long run of quick steps is healthy."""
+
+    async def run() -> tuple[list[bool], int]:
+        config = EngineConfig(model=tiny_llama, num_kv_blocks=64, num_threads=1)
+        engine = AsyncEngine(build_engine(config)[0], OutputProcessor(None), stuck_after_s=0.2)
+        steps_by_run = _counting_runs(engine)
+        task = asyncio.create_task(_drain(engine.add_request("long", [5, 9, 13], LONG)))
+        seen = []
+        while not task.done():
+            seen.append(engine.health()["healthy"])
+            await asyncio.sleep(0.05)
+        await task
+        await engine.shutdown()
+        return seen, max(steps_by_run)
+
+    seen, longest_run = asyncio.run(run())
+    assert len(seen) > 4 and all(seen)  # the run lasted well past stuck_after_s
+    assert longest_run > 100
