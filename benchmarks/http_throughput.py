@@ -43,6 +43,8 @@ from offline_throughput import (
     timed,
 )
 
+from pagedray.workers.compute_thread import OS_THREAD_NAME
+
 # Seconds between /health polls while the server starts.
 POLL_S = 1.0
 # Seconds the server gets to exit after each signal before the next, harsher one.
@@ -170,9 +172,9 @@ def _role_of(pid: int) -> str:
     return "other Ray processes"
 
 
-# The OS name of pagedray's compute thread (workers/compute_thread.py, cut to 15 bytes), which
-# the OpenMP threads it starts inherit: their CPU is the model's.
-COMPUTE_THREAD_NAME = "pagedray-comput"
+# The OS name of pagedray's compute thread, which the OpenMP threads it starts inherit: their
+# CPU is the model's.
+COMPUTE_THREAD_NAME = OS_THREAD_NAME
 MODEL_PART, LOOP_PART = "model", "loop and Ray"
 
 

@@ -21,9 +21,14 @@ import threading
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, TypeVar
 
+from pagedray.workers.cpu_scheduling import run_model_under_normal_policy
+
 T = TypeVar("T")
 
 _PR_SET_NAME = 15  # prctl's option number (linux/prctl.h)
+NAME = "pagedray-compute"
+# What the OS (and /proc/<pid>/task/<tid>/comm) calls the thread, and the OpenMP threads it starts.
+OS_THREAD_NAME = NAME[:15]
 
 
 class ComputeThread(Executor):
@@ -33,7 +38,7 @@ class ComputeThread(Executor):
     at interpreter exit (a worker waiting on a dead collective) does not hold the exit up.
     """
 
-    def __init__(self, name: str = "pagedray-compute") -> None:
+    def __init__(self, name: str = NAME) -> None:
         self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple, dict]] = (
             queue.SimpleQueue()
         )
@@ -58,6 +63,8 @@ class ComputeThread(Executor):
 
     def _serve(self) -> None:
         _name_os_thread(self._thread.name)
+        # Before any parallel region: the OpenMP team this thread starts inherits its policy.
+        run_model_under_normal_policy()
         while True:
             future, fn, args, kwargs = self._calls.get()
             if not future.set_running_or_notify_cancel():

@@ -22,6 +22,7 @@ from pagedray.cli.serve_runtime import (
     proxy_port,
     wait_until_ready,
 )
+from pagedray.workers.cpu_scheduling import serve_under_batch_policy
 from pagedray.workers.cpu_threads import serving_thread_counts
 
 APP_NAME = "pagedray"
@@ -227,6 +228,9 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ.update(lean_serve_env(args.port, args.num_ingress_replicas))
     if local:
         app_args.update(local_thread_counts(args))
+    if local and args.device != "cuda":
+        # NOTE: before Ray starts: its processes inherit the policy (workers/cpu_scheduling.py).
+        serve_under_batch_policy()
     import ray
     from ray import serve
     from ray.serve.api import _run

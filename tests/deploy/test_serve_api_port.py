@@ -2,11 +2,14 @@
 `/metrics` in Prometheus text without the API key, OpenAI's 404 for an unknown path, vLLM's 400
 for a max_tokens that cannot fit, and logs that hold one access line per request in the ingress,
 no traceback for a stream its client dropped, and no per-call line of the engine at INFO; the
-engine's torch threads (a core left to the serving path) and the dashboard in Ray's Grafana.
+engine's torch threads (a core left to the serving path), the scheduling policies of Ray's
+processes and of the model's threads, and the dashboard in Ray's Grafana.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray.observability.grafana_dashboard import dashboard_json
 from pagedray.observability.ray_grafana import DASHBOARD_FILE
+from pagedray.workers import cpu_scheduling
+from pagedray.workers.compute_thread import OS_THREAD_NAME
 from pagedray.workers.cpu_threads import quiet_threads_per_rank, serving_threads_per_rank
 
 KEY = "sk-api-port-test"
@@ -79,6 +84,32 @@ def _metrics(server: ServeProcess, families: set[str]) -> str:
         time.sleep(1.0)
 
 
+def _policies(pid: int) -> dict[str, set[int]]:
+    """A process's threads' scheduling policies, by thread name."""
+    policies: dict[str, set[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            policies.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
+    return policies
+
+
+def _check_scheduling_policies(server: ServeProcess) -> None:
+    """Ray's daemons and the serving path under SCHED_BATCH, the model's thread and its OpenMP
+    team under SCHED_OTHER (workers/cpu_scheduling.py)."""
+    if not cpu_scheduling.supported():
+        return
+    for marker in ("gcs_server", "raylet", "ray::ServeController", "OpenAIIngress"):
+        pids = server.processes(marker)
+        assert pids, marker
+        for pid in pids:
+            assert set().union(*_policies(pid).values()) == {os.SCHED_BATCH}, marker
+    (engine,) = server.processes("PagedRayEngine")
+    policies = _policies(engine)
+    assert policies.pop(OS_THREAD_NAME) == {os.SCHED_OTHER}
+    assert set().union(*policies.values()) == {os.SCHED_BATCH}
+
+
 def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> None:
     # No --num-threads: the default leaves a core to the serving path (1 thread on 2 cores).
     flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32"]
@@ -112,6 +143,7 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         assert [replica["num_threads"] for replica in replicas] == [serving_threads_per_rank(1)]
         quiet = [replica["quiet_num_threads"] for replica in replicas]
         assert quiet == [quiet_threads_per_rank(1)]
+        _check_scheduling_policies(server)
         # The dashboard lies where the Grafana of Ray's session loads Ray's own dashboards.
         grafana = (server.ray_tmp / "session_latest" / "metrics" / "grafana").resolve()
         assert (grafana / "dashboards" / DASHBOARD_FILE).read_text() == dashboard_json()
