@@ -9,7 +9,7 @@ its proxy, which answers on a free port of its own; nothing needs it. These are 
 environment variables, read when Ray's modules load in each Serve process, so they are set before
 the local Ray starts (its processes inherit them). A Ray cluster joined with `--address` keeps the
 settings it was started with. Ray's workers run at nice 0 instead of 15, since the model's
-threads run in them.
+threads run in them, and Serve's controller reconciles every 0.5 s instead of 0.1.
 
 Direct ingress gives each ingress replica a port of its own, with no balancer in front, so it is
 used with exactly one ingress replica; more (`--num-ingress-replicas`) go through the proxy.
@@ -31,6 +31,7 @@ DIRECT_INGRESS_DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 REQUEST_LOG_BUFFER_ENV = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
 FORCE_STOP_UNHEALTHY_ENV = "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"
+CONTROL_LOOP_INTERVAL_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 # Seconds between readiness polls while the app starts.
 READY_POLL_S = 0.1
 
@@ -48,6 +49,10 @@ def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
     # that failed its health check (a dead rank, a stuck step) has nothing left to finish, and
     # would hold its placement group, so its replacement could not start: stop it at once.
     env[FORCE_STOP_UNHEALTHY_ENV] = "1"
+    # NOTE: Serve's controller reconciles every 0.1 s, each time asking the GCS for the nodes'
+    # resources: 3.3-3.6% of a core on an idle 2-core server, 1.5-1.7% at 0.5 s, taken from the
+    # model. A replica's start (seconds) or a health check's period (10 s) dwarfs the 0.4 s.
+    env[CONTROL_LOOP_INTERVAL_ENV] = "0.5"
     if os.environ.get(THROUGHPUT_ENV, "1") == "0":
         return {key: value for key, value in env.items() if key not in os.environ}
     env[THROUGHPUT_ENV] = "1"
