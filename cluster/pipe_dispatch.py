@@ -31,6 +31,8 @@ import ray
 from ray.actor import ActorHandle
 
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
+from pagedray.workers.compute_thread import name_os_thread
+from pagedray.workers.cpu_scheduling import run_model_under_normal_policy
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +117,17 @@ class PipeWorkerLoop:
             os.close(self.plan_fd)
             raise
         os.set_blocking(self.reply_fd, True)
-        self.thread = threading.Thread(target=self._run, name=f"pipe-rank{rank}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=plan_reader_name(rank), daemon=True)
 
     def start(self) -> None:
         os.set_blocking(self.plan_fd, True)
         self.thread.start()
 
     def _run(self) -> None:
+        name_os_thread(self.thread.name)
+        # NOTE: each plan and reply passes this thread, on the step's critical path: it takes a
+        # core on waking like the compute thread does (workers/cpu_scheduling.py).
+        run_model_under_normal_policy()
         try:
             while True:
                 header = _read_exact(self.plan_fd, _HEADER.size)
@@ -160,6 +166,11 @@ class PipeWorkerLoop:
                 self.rank, step_id, description, traceback.format_exc(), exception
             )
             return pickle.dumps(failure, pickle.HIGHEST_PROTOCOL)
+
+
+def plan_reader_name(rank: int) -> str:
+    """The name of a rank's thread that reads its plans (also its OS name, for /proc and py-spy)."""
+    return f"pipe-rank{rank}"
 
 
 class PipeDispatcher:

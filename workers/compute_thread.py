@@ -62,7 +62,7 @@ class ComputeThread(Executor):
         return threading.current_thread() is self._thread
 
     def _serve(self) -> None:
-        _name_os_thread(self._thread.name)
+        name_os_thread(self._thread.name)
         # Before any parallel region: the OpenMP team this thread starts inherits its policy.
         run_model_under_normal_policy()
         while True:
@@ -78,7 +78,7 @@ class ComputeThread(Executor):
             del future, fn, args, kwargs  # hold no reference to the last call's values
 
 
-def _name_os_thread(name: str) -> None:
+def name_os_thread(name: str) -> None:
     """Give the calling thread `name` in the OS (Linux: 15 bytes at most), so that `top -H`, py-spy
     and /proc tell the model's CPU apart; the OpenMP threads it starts inherit the name."""
     try:

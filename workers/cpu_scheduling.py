@@ -9,8 +9,10 @@ an OpenMP team the rest of the team then waits at the next barrier. A SCHED_BATC
 same share of the CPU at the same nice value, but never preempts on waking: it takes an idle core,
 or runs from the next tick (sched(7)). Switching between the two needs no privilege while the
 nice value stays, and children inherit the policy, so `pagedray serve` puts itself under
-SCHED_BATCH before it starts its local Ray (every Ray process and worker follows), and the one
-thread that runs the model in each process (workers/compute_thread.py) switches itself back.
+SCHED_BATCH before it starts its local Ray (every Ray process and worker follows), and the
+threads on the model's step path switch themselves back: each process's compute thread
+(workers/compute_thread.py) and a tensor-parallel rank's plan reader (cluster/pipe_dispatch.py);
+the threads they start (the OpenMP team, gloo's) inherit SCHED_OTHER from them.
 
 Measured on 2 cores (`benchmarks/http_throughput.py`'s workload, one server, each pass alternated
 with the policy on and off, medians of 3): streamed at `--stream-interval 1` 1,308 against
@@ -58,9 +60,10 @@ def serve_under_batch_policy() -> bool:
 
 
 def run_model_under_normal_policy() -> None:
-    """On the thread that runs the model: back to SCHED_OTHER where `serve_under_batch_policy`
-    put its process under SCHED_BATCH (threads it starts from now on, the OpenMP team among them,
-    inherit it). A process under SCHED_BATCH for another reason keeps it."""
+    """On a thread of the model's step path: back to SCHED_OTHER where
+    `serve_under_batch_policy` put its process under SCHED_BATCH (threads it starts from now on,
+    the OpenMP team among them, inherit it). A process under SCHED_BATCH for another reason keeps
+    it."""
     if not supported() or os.environ.get(POLICY_ENV) != BATCH:
         return
     if os.sched_getscheduler(0) == os.SCHED_BATCH:

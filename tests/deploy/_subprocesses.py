@@ -120,6 +120,16 @@ def kill_all(processes: set[tuple[int, int]], timeout_s: float) -> list[int]:
     return left
 
 
+def thread_policies(pid: int) -> dict[str, set[int]]:
+    """A process's threads' scheduling policies (os.SCHED_*), by OS thread name."""
+    policies: dict[str, set[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            policies.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
+    return policies
+
+
 def command_line(pid: int) -> str:
     """The process's command line, arguments joined by spaces ('' once it is gone)."""
     try:

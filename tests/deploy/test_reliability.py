@@ -11,6 +11,7 @@ the worker kill runs last, as it replaces the engine.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -18,7 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _subprocesses import ServeProcess, pagedray_serve
+from _subprocesses import ServeProcess, pagedray_serve, thread_policies
+
+from pagedray.cluster.pipe_dispatch import plan_reader_name
+from pagedray.workers import cpu_scheduling
+from pagedray.workers.compute_thread import OS_THREAD_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from reliability_workloads import (  # noqa: E402
@@ -43,6 +48,10 @@ REFUSAL_S = 2.0  # a 503 comes at once
 KILL_TOKENS = 900  # the stream in flight when the worker dies: still running when killed
 RECOVERY_S = 60.0  # kill -> Serve's new replica answers /health and a completion
 BUDGET_S = 120.0  # any one request or wait in a scenario
+# The threads torch's gloo backend starts from the compute thread as it joins the group (its
+# transport loop, its run loop, rank 0's TCPStore server): the collectives' path, under the
+# compute thread's policy.
+COLLECTIVE_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore_uv")
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +147,32 @@ def test_a_flood_leaves_short_requests_answered_or_refused_at_once(
     assert figures.health_seen["200 degraded"] > 0, figures.health_seen
     assert all(seen.startswith("200") for seen in figures.health_seen), figures.health_seen
     assert figures.leaked_blocks == 0, figures
+
+
+def test_the_ranks_step_threads_take_a_core_on_waking_and_their_others_do_not(
+    server: ServeProcess, request: pytest.FixtureRequest
+) -> None:
+    """Under pagedray serve's SCHED_BATCH, each rank process's compute thread (and its OpenMP
+    team) and, at TP > 1, its plan reader and gloo's threads run SCHED_OTHER; every other thread
+    SCHED_BATCH (workers/cpu_scheduling.py)."""
+    if not cpu_scheduling.supported():
+        pytest.skip("no SCHED_BATCH on this OS (Linux only)")
+    tp = request.node.callspec.params["server"]
+    ranks = server.processes(rank_process_marker(tp))
+    assert len(ranks) == tp
+    readers = set()
+    for pid in ranks:
+        policies = thread_policies(pid)
+        assert policies.pop(OS_THREAD_NAME) == {os.SCHED_OTHER}
+        for rank in range(tp) if tp > 1 else ():
+            if (reader := policies.pop(plan_reader_name(rank), None)) is not None:
+                assert reader == {os.SCHED_OTHER}
+                readers.add(rank)
+        for name in COLLECTIVE_THREADS if tp > 1 else ():
+            assert policies.pop(name, {os.SCHED_OTHER}) == {os.SCHED_OTHER}, name
+        others = {name: p for name, p in policies.items() if p != {os.SCHED_BATCH}}
+        assert not others and policies, others
+    assert readers == (set(range(tp)) if tp > 1 else set())
 
 
 def test_a_killed_worker_fails_its_stream_fast_and_serve_replaces_the_engine(

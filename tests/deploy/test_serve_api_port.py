@@ -8,14 +8,13 @@ processes and of the model's threads, and the dashboard in Ray's Grafana.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from _subprocesses import ServeProcess, pagedray_serve
+from _subprocesses import ServeProcess, pagedray_serve, thread_policies
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray.observability.grafana_dashboard import dashboard_json
@@ -84,16 +83,6 @@ def _metrics(server: ServeProcess, families: set[str]) -> str:
         time.sleep(1.0)
 
 
-def _policies(pid: int) -> dict[str, set[int]]:
-    """A process's threads' scheduling policies, by thread name."""
-    policies: dict[str, set[int]] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # the thread ended meanwhile
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            policies.setdefault(name, set()).add(os.sched_getscheduler(int(tid)))
-    return policies
-
-
 def _check_scheduling_policies(server: ServeProcess) -> None:
     """Ray's daemons and the serving path under SCHED_BATCH, the model's thread and its OpenMP
     team under SCHED_OTHER (workers/cpu_scheduling.py)."""
@@ -103,9 +92,9 @@ def _check_scheduling_policies(server: ServeProcess) -> None:
         pids = server.processes(marker)
         assert pids, marker
         for pid in pids:
-            assert set().union(*_policies(pid).values()) == {os.SCHED_BATCH}, marker
+            assert set().union(*thread_policies(pid).values()) == {os.SCHED_BATCH}, marker
     (engine,) = server.processes("PagedRayEngine")
-    policies = _policies(engine)
+    policies = thread_policies(engine)
     assert policies.pop(OS_THREAD_NAME) == {os.SCHED_OTHER}
     assert set().union(*policies.values()) == {os.SCHED_BATCH}
 
