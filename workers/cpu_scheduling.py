@@ -15,10 +15,11 @@ threads on the model's step path switch themselves back: each process's compute 
 the threads they start (the OpenMP team, gloo's) inherit SCHED_OTHER from them.
 
 Measured on 2 cores (`benchmarks/http_throughput.py`'s workload, one server, each pass alternated
-with the policy on and off, medians of 3): streamed at `--stream-interval 1` 1,308 against
-1,100 output tok/s (+19%; the model's thread took 0.60-0.62 ms of CPU per token against
-0.65-0.71); not streamed 1,628 against 1,609. Only the ingress and the engine replica's own threads
-under SCHED_BATCH, Ray's daemons left as they were, gained nothing (1,108 against 1,122): their
+with the policy on and off, 5 rounds): the model's thread was preempted 165-220 times a second
+instead of 380-500 while streaming, 550-690 instead of 1,200-1,450 not streaming; streamed at
+`--stream-interval 1` 1,320 against 1,259 output tok/s (median; batch won all 5 pairs, by 2-12%),
+not streamed 1,725 against 1,724. Only the ingress and the engine replica's own threads under
+SCHED_BATCH, Ray's daemons left as they were, gained nothing (1,108 against 1,122): their
 wake-ups were the ones that cost.
 
 `PAGEDRAY_SERVING_POLICY` holds what was chosen, and the processes of that Ray inherit it: `batch`
@@ -30,7 +31,7 @@ from __future__ import annotations
 import os
 
 POLICY_ENV = "PAGEDRAY_SERVING_POLICY"
-BATCH, NORMAL = "batch", "normal"
+BATCH = "batch"  # the other value, "normal", is a user's opt-out
 
 
 def supported() -> bool:
