@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 class _PendingRequest:
     engine_request: EngineRequest
     prompt: str | None
+    at_end: bool  # its outputs go out once, at the end (see `RequestState`)
 
 
 class AsyncEngine:
@@ -142,7 +143,8 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
-        self._pending[request_id] = _PendingRequest(engine_request, prompt)
+        at_end = stream_interval is None
+        self._pending[request_id] = _PendingRequest(engine_request, prompt, at_end)
         request_stream = RequestStream(stream_interval, sink)
         self._streams[request_id] = request_stream
         self.admission.track(request_id, self._streams, len(self._streams))
@@ -270,6 +272,10 @@ class AsyncEngine:
 
     def _process(self, finished_step: FinishedStep) -> None:
         """A step's outputs; a stop string found (never mid-run, see `_may_run_on`) stops it."""
+        live = self.output_processor.requests
+        # NOTE: from the engine's outputs, not the deltas: a request read at the end has none.
+        advanced = (out.req_id for out in finished_step.outputs if out.new_token_ids)
+        finished_step.advanced = list(dict.fromkeys(rid for rid in advanced if rid in live))
         finished_step.deltas, stopped = self.output_processor.process(finished_step.outputs)
         if stopped:
             self.engine.stop_requests(stopped)
@@ -281,8 +287,7 @@ class AsyncEngine:
         for delta in finished_step.deltas:
             by_request.setdefault(delta.request_id, []).append(delta)
         if finished_step.record is not None:
-            advanced = [rid for rid, ds in by_request.items() if any(d.token_ids for d in ds)]
-            self._recorder.step(finished_step.record, advanced)
+            self._recorder.step(finished_step.record, finished_step.advanced)
         self._publish(by_request)
 
     async def _wait_for_work(self) -> None:
@@ -324,7 +329,11 @@ class AsyncEngine:
                 self._fail(request.req_id, exc)
                 continue
             state = self.output_processor.add_request(
-                request.req_id, item.prompt, request.prompt_token_ids, request.sampling_params
+                request.req_id,
+                item.prompt,
+                request.prompt_token_ids,
+                request.sampling_params,
+                item.at_end,
             )
             state.arrival_time = request.arrival_time
             self._recorder.admitted(self.engine.scheduler.requests[request.req_id])

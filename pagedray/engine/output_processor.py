@@ -56,9 +56,12 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Any,
         stream_text: bool = True,
+        at_end: bool = False,
     ) -> None:
-        """`tokenizer` None: token ids only, no text."""
+        """`tokenizer` None: token ids only, no text. `at_end`: its reader takes one output, at
+        the end, so a choice's delta is made only as it ends, and holds all of the choice."""
         self.request_id = request_id
+        self.at_end = at_end
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -134,9 +137,11 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        at_end: bool = False,
     ) -> RequestState:
+        """`at_end`: see `RequestState`."""
         state = RequestState(
-            request_id, prompt, prompt_token_ids, params, self.tokenizer, self.stream_text
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, self.stream_text, at_end
         )
         self.requests[request_id] = state
         return state
@@ -174,7 +179,10 @@ class OutputProcessor:
                 continue
             if self._update_choice(state, choice, out):
                 stopped.append(state.seq_id(out.choice_index))
-            deltas.append(self._delta(state, out.choice_index, out))
+            if not state.at_end:
+                deltas.append(self._delta(state, out.choice_index, len(out.new_token_ids)))
+            elif choice.finish_reason is not None:
+                deltas.append(self._delta(state, out.choice_index, len(choice.token_ids)))
             if state.finished:
                 state.finish_time = now
         return deltas, stopped
@@ -208,12 +216,13 @@ class OutputProcessor:
                 text.finish(out.finish_reason, stop_token)
         return False
 
-    def _delta(self, state: RequestState, index: int, out: EngineCoreOutput) -> ChoiceDelta:
+    def _delta(self, state: RequestState, index: int, num_tokens: int) -> ChoiceDelta:
+        """Choice `index`'s delta of its last `num_tokens` tokens."""
         choice = state.choices[index]
         text = choice.text.take_new_text() if choice.text is not None else ""
         logprobs = None
         if choice.logprobs is not None:
-            logprobs = choice.logprobs[len(choice.logprobs) - len(out.new_token_ids) :]
+            logprobs = choice.logprobs[len(choice.logprobs) - num_tokens :]
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
             prompt_logprobs = state.prompt_logprobs
@@ -222,7 +231,7 @@ class OutputProcessor:
             request_id=state.request_id,
             index=index,
             text=text,
-            token_ids=list(out.new_token_ids),
+            token_ids=choice.token_ids[len(choice.token_ids) - num_tokens :],
             logprobs=logprobs,
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,

@@ -74,14 +74,13 @@ def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
     then gets one chunk per choice for the whole span, as from vLLM's `--stream-interval`.
     """
     last = outputs[-1]
-    folded: dict[int, ChoiceDelta] = {}
+    by_choice: dict[int, list[ChoiceDelta]] = {}
     for output in outputs:
         for delta in output.deltas:
-            earlier = folded.get(delta.index)
-            folded[delta.index] = delta if earlier is None else _join(earlier, delta)
+            by_choice.setdefault(delta.index, []).append(delta)
     return RequestStepOutput(
         last.request_id,
-        list(folded.values()),
+        [_join(deltas) for deltas in by_choice.values()],
         last.finished,
         last.usage,
         last.metrics,
@@ -90,16 +89,21 @@ def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
     )
 
 
-def _join(earlier: ChoiceDelta, later: ChoiceDelta) -> ChoiceDelta:
+def _join(deltas: list[ChoiceDelta]) -> ChoiceDelta:
+    """One choice's consecutive deltas as one, the last's finish (in one pass: a span may be a
+    whole completion's)."""
+    if len(deltas) == 1:
+        return deltas[0]
     logprobs = None
-    if earlier.logprobs is not None or later.logprobs is not None:
-        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    if any(delta.logprobs is not None for delta in deltas):
+        logprobs = [entry for delta in deltas for entry in delta.logprobs or ()]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
     return dataclasses.replace(
-        later,
-        text=earlier.text + later.text,
-        token_ids=earlier.token_ids + later.token_ids,
+        deltas[-1],
+        text="".join(delta.text for delta in deltas),
+        token_ids=[token for delta in deltas for token in delta.token_ids],
         logprobs=logprobs,
-        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -33,6 +33,7 @@ class FinishedStep:
     record: StepRecord | None  # None: the call ran no step (nothing was schedulable)
     stats: dict[str, Any]  # the engine's stats after it
     deltas: list[ChoiceDelta] = field(default_factory=list)  # once the output processor ran
+    advanced: list[str] = field(default_factory=list)  # requests that got tokens, likewise
 
 
 class StepRunner:

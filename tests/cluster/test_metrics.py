@@ -75,11 +75,14 @@ def _engine(model: str, metrics: EngineMetrics) -> tuple[AsyncEngine, Any]:
     return AsyncEngine(engine, OutputProcessor(tokenizer), metrics=metrics), tokenizer
 
 
-async def _serve(engine: AsyncEngine, prompts: list[list[int]]) -> None:
+async def _serve(
+    engine: AsyncEngine, prompts: list[list[int]], stream_interval: int | None = 1
+) -> None:
     """The first prompt alone (its blocks get cached), then the others together."""
 
     async def drain(i: int) -> None:
-        async for _ in engine.add_request(f"r{i}", prompts[i], GREEDY):
+        request = engine.add_request(f"r{i}", prompts[i], GREEDY, stream_interval=stream_interval)
+        async for _ in request:
             pass
 
     await drain(0)
@@ -142,13 +145,18 @@ def test_scheduler_totals_become_counter_deltas() -> None:
     assert not recorders["generation_tokens"].values and not recorders["prompt_tokens"].values
 
 
-def test_engine_records_steps_and_finished_requests(tiny_llama: str) -> None:
+@pytest.mark.parametrize("stream_interval", [1, None], ids=["streamed", "read-at-the-end"])
+def test_engine_records_steps_and_finished_requests(
+    tiny_llama: str, stream_interval: int | None
+) -> None:
+    """The same per token and per request whether a client streams or reads the whole answer
+    (the engine then makes no per-step output for it)."""
     metrics, recorders = _recording_metrics()
     engine, tokenizer = _engine(tiny_llama, metrics)
     prompts = _prompts(tokenizer)
 
     async def run() -> None:
-        await _serve(engine, prompts)
+        await _serve(engine, prompts, stream_interval)
         await engine.shutdown()
 
     asyncio.run(run())

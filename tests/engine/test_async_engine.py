@@ -169,6 +169,40 @@ def test_merged_outputs_fold_each_choice(tiny_llama: str) -> None:
         assert delta.finish_reason == steps[-1].finish_reason == "length"
 
 
+def test_a_request_read_at_the_end_gets_each_choice_whole(tiny_llama: str) -> None:
+    """Without a stream interval the engine makes no per-step output: the one it sends at the
+    end holds each choice whole, the same text, tokens, logprobs and prompt logprobs as the same
+    seeded request streamed, and the same usage."""
+    params = SamplingParams(
+        temperature=1.0, seed=5, n=2, max_tokens=7, logprobs=2, prompt_logprobs=1, ignore_eos=True
+    )
+
+    async def run() -> tuple[list[RequestStepOutput], list[RequestStepOutput]]:
+        engine, tokenizer = _engine(tiny_llama)
+        prompt = tokenizer.encode("all at once")
+        try:
+            streamed = await _drain(engine.add_request("s", prompt, params))
+            whole = await _drain(engine.add_request("w", prompt, params, stream_interval=None))
+            return streamed, whole
+        finally:
+            await engine.shutdown()
+
+    streamed, whole = asyncio.run(run())
+    assert len(streamed) > 2 and len(whole) == 1
+    (output,) = whole
+    expected = merge_step_outputs(streamed)
+    assert output.finished and output.usage is not None and expected.usage is not None
+    assert {**output.usage, "cached_tokens": 0} == {**expected.usage, "cached_tokens": 0}
+    by_index = {delta.index: delta for delta in expected.deltas}
+    assert sorted(d.index for d in output.deltas) == [0, 1]
+    for delta in output.deltas:
+        want = by_index[delta.index]
+        assert len(delta.token_ids) == 7
+        assert (delta.text, delta.token_ids) == (want.text, want.token_ids)
+        assert delta.logprobs == want.logprobs and delta.prompt_logprobs == want.prompt_logprobs
+        assert (delta.finish_reason, delta.stop_reason) == (want.finish_reason, want.stop_reason)
+
+
 def test_failed_request_ends_alone_and_the_engine_serves_on(tiny_llama: str) -> None:
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama)
