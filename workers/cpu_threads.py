@@ -1,5 +1,5 @@
 """How many torch threads a serving engine's ranks get on a CPU: all of the node but one core
-while a request streams, all of it while none does.
+while a request streams, all of it while none does or for a step that is mostly prompt.
 
 Offline, the model is all a process runs, and `LLM` leaves torch at its default: every core.
 Served, the same cores also run the ingress (tokens to text, SSE), the engine's event loop,
@@ -9,6 +9,12 @@ returns: measured on 2 cores (64 streams of 128 prompt / 64 output tokens throug
 `pagedray serve`, two rounds each), 1,923 output tok/s with 2 threads against 3,437 with 1,
 and a lone request's 64 tokens in 154 ms against 136. vLLM's CPU build reserves a core for its
 API and engine-core processes the same way (`VLLM_CPU_NUM_OF_RESERVED_CPU`, 1 by default).
+
+A step whose prompt tokens dominate also runs on every core while requests stream: it computes
+many tokens for each one it streams (a prompt chunk beside a batch of decodes), so the work it
+leaves the serving path is small next to what the reserved core would add to it. Measured on 2
+cores (64 streams of the HTTP benchmark, alternated on one server, 5 rounds): the prefill steps
+took 0.79-0.97 s instead of 1.32-1.47, and the runs 1,616 against 1,531 output tok/s (medians).
 
 A serving rank without `num_threads` gets `serving_threads_per_rank`: the cores this process may
 use (its affinity, lowered by the least CPU quota of its cgroup and its ancestors, v2 or v1, as a
@@ -35,6 +41,11 @@ from pagedray.workers.cgroups import CGROUP_ROOT, PROC_SELF_CGROUP, cgroup_level
 
 # Cores left to the serving path (ingress, engine loop, Ray) on each node.
 RESERVED_SERVING_CORES = 1
+# Tokens a step computes per sequence it schedules, at and above which it runs on every core
+# while requests stream. The break-even on 2 cores: a 1-thread step costs about 0.28 ms a decode
+# and 0.07 ms a prompt token, and the serving path about 0.4 ms per token it streams (client
+# included), so a second thread pays once prompt tokens pass about 8 per decode.
+PROMPT_HEAVY_TOKENS_PER_SEQUENCE = 8
 
 
 def usable_cores(proc_cgroup: Path = PROC_SELF_CGROUP, root: Path = CGROUP_ROOT) -> int:
@@ -86,6 +97,15 @@ def serving_thread_counts(ranks_on_node: int) -> dict[str, int]:
         "num_threads": serving_threads_per_rank(ranks_on_node, cores),
         "quiet_num_threads": quiet_threads_per_rank(ranks_on_node, cores),
     }
+
+
+def step_runs_on_every_core(streaming: bool, num_tokens: int, num_sequences: int) -> bool:
+    """Whether a step gets `quiet_threads_per_rank` rather than the serving count: while no
+    request streams, or when it computes at least `PROMPT_HEAVY_TOKENS_PER_SEQUENCE` tokens for
+    each of its `num_sequences` (its prompt tokens dominate)."""
+    if not streaming:
+        return True
+    return num_tokens >= PROMPT_HEAVY_TOKENS_PER_SEQUENCE * max(1, num_sequences)
 
 
 def _split(ranks_on_node: int, cores: int | None, reserved: int) -> int:

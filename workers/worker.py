@@ -11,6 +11,7 @@ import torch
 from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
+from pagedray.workers.cpu_threads import step_runs_on_every_core
 from pagedray.workers.layers.gemm import pack_module_weights, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
@@ -118,8 +119,8 @@ class Worker:
             # at each thread count a step may run on (oneDNN compiles a primitive for each),
             # ending on the serving count.
             rows = min(self.config.max_num_seqs, WARM_UP_ROWS)
-            for streaming in (False, True) if self._switches_threads() else (True,):
-                self._use_threads_for(streaming)
+            for every_core in (True, False) if self._switches_threads() else (False,):
+                self._use_threads(every_core)
                 warm_up(self.model, rows, WARM_UP_BUDGET_S)
         self.runner = ModelRunner(
             self.model,
@@ -133,7 +134,12 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache must run before the first step"
-        self._use_threads_for(scheduler_output.streaming)
+        every_core = step_runs_on_every_core(
+            scheduler_output.streaming,
+            scheduler_output.total_num_scheduled_tokens,
+            len(scheduler_output.num_scheduled_tokens),
+        )
+        self._use_threads(every_core)
         return self.runner.execute_model(scheduler_output)
 
     def _switches_threads(self) -> bool:
@@ -141,13 +147,13 @@ class Worker:
         quiet = self.config.quiet_num_threads
         return self.device.type == "cpu" and quiet not in (None, self.serving_num_threads)
 
-    def _use_threads_for(self, streaming: bool) -> None:
-        """`quiet_num_threads` torch threads for a step in which no request streams, the serving
-        count for any other (workers/cpu_threads.py); nothing where they do not differ. Call it
-        on the thread that steps: OpenMP keeps the count per thread, so it is read there."""
+    def _use_threads(self, every_core: bool) -> None:
+        """`quiet_num_threads` torch threads for a step that runs on every core, the serving
+        count for any other (`step_runs_on_every_core`); nothing where they do not differ. Call
+        it on the thread that steps: OpenMP keeps the count per thread, so it is read there."""
         if not self._switches_threads():
             return
-        wanted = self.serving_num_threads if streaming else self.config.quiet_num_threads
+        wanted = self.config.quiet_num_threads if every_core else self.serving_num_threads
         if wanted is not None and wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
 

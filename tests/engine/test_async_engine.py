@@ -22,6 +22,7 @@ from pagedray.engine.request_errors import (
 )
 from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.cpu_threads import PROMPT_HEAVY_TOKENS_PER_SEQUENCE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -362,9 +363,12 @@ def test_fcfs_full_queue_refuses_whatever_the_priority(tiny_llama: str) -> None:
     asyncio.run(run())
 
 
-def test_a_step_runs_on_every_core_only_while_no_request_streams(tiny_llama: str) -> None:
+def test_a_step_runs_on_every_core_while_no_request_streams_or_mostly_prompt(
+    tiny_llama: str,
+) -> None:
     """The plan tells the worker whether a request in flight streams: `quiet_num_threads` while
-    none does, `num_threads` while one does; a request's greedy tokens are the same either way."""
+    none does, `num_threads` while one does, unless the step is mostly prompt; a request's greedy
+    tokens are the same either way."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     async def run() -> None:
@@ -386,6 +390,16 @@ def test_a_step_runs_on_every_core_only_while_no_request_streams(tiny_llama: str
         together = await asyncio.gather(_drain(beside), _drain(streamed))
         assert set(threads_by_step) == {1}
         assert _tokens(together[0]) == _tokens(alone)
+        # A step that is mostly prompt runs on every core while one streams too.
+        threads_by_step.clear()
+        long_prompt = tokenizer.encode("a prompt of many more words than one step decodes " * 3)
+        assert len(long_prompt) >= 2 * PROMPT_HEAVY_TOKENS_PER_SEQUENCE
+        streamed = engine.add_request("streamed-2", tokenizer.encode("loud"), params)
+        first = await streamed.__anext__()  # its prefill ran: it decodes in the next steps
+        assert first.deltas
+        long = engine.add_request("long", long_prompt, params)
+        await asyncio.gather(_drain(streamed), _drain(long))
+        assert threads_by_step[0] == 1 and 2 in threads_by_step and threads_by_step[-1] == 1
         await engine.shutdown()
 
     asyncio.run(run())

@@ -10,9 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedray.workers.cpu_threads import (
+    PROMPT_HEAVY_TOKENS_PER_SEQUENCE,
     RESERVED_SERVING_CORES,
     quiet_threads_per_rank,
     serving_threads_per_rank,
+    step_runs_on_every_core,
     usable_cores,
 )
 
@@ -46,6 +48,32 @@ def test_a_quiet_step_takes_the_reserved_cores_too_and_no_more(cores: int, ranks
         assert quiet * ranks <= cores < (quiet + 1) * ranks
     else:
         assert quiet == 1
+
+
+@pytest.mark.parametrize(
+    ("streaming", "num_tokens", "num_sequences", "every_core"),
+    [
+        (False, 1, 1, True),  # nothing streams: every step
+        (True, 64, 64, False),  # decodes of 64 streams
+        (True, 2048, 44, True),  # a prompt chunk beside 43 decodes
+        (True, 263, 64, False),  # a short prompt beside 63 decodes
+        (True, 200, 1, True),  # a lone prompt: its first token sooner
+        (True, PROMPT_HEAVY_TOKENS_PER_SEQUENCE - 1, 1, False),
+    ],
+)
+def test_a_step_mostly_of_prompt_runs_on_every_core_while_requests_stream(
+    streaming: bool, num_tokens: int, num_sequences: int, every_core: bool
+) -> None:
+    assert step_runs_on_every_core(streaming, num_tokens, num_sequences) is every_core
+
+
+@given(st.integers(1, 8192), st.integers(1, 256), st.integers(1, 64))
+def test_more_prompt_per_sequence_never_takes_cores_away(
+    num_tokens: int, num_sequences: int, more: int
+) -> None:
+    if step_runs_on_every_core(True, num_tokens, num_sequences):
+        assert step_runs_on_every_core(True, num_tokens + more, num_sequences)
+        assert step_runs_on_every_core(False, num_tokens, num_sequences)
 
 
 def test_no_ranks_is_refused() -> None:
