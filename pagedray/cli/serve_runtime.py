@@ -9,7 +9,8 @@ its proxy, which answers on a free port of its own; nothing needs it. These are 
 environment variables, read when Ray's modules load in each Serve process, so they are set before
 the local Ray starts (its processes inherit them). A Ray cluster joined with `--address` keeps the
 settings it was started with. Ray's workers run at nice 0 instead of 15, since the model's
-threads run in them, and Serve's controller reconciles every 0.5 s instead of 0.1.
+threads run in them; Serve's controller reconciles every 0.5 s instead of 0.1, and its replicas
+and handles pass their cached request metrics on every 1 s instead of 0.1.
 
 Direct ingress gives each ingress replica a port of its own, with no balancer in front, so it is
 used with exactly one ingress replica; more (`--num-ingress-replicas`) go through the proxy.
@@ -32,6 +33,7 @@ WORKER_NICENESS_ENV = "RAY_worker_niceness"
 REQUEST_LOG_BUFFER_ENV = "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"
 FORCE_STOP_UNHEALTHY_ENV = "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"
 CONTROL_LOOP_INTERVAL_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+METRICS_EXPORT_INTERVAL_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 # Seconds between readiness polls while the app starts.
 READY_POLL_S = 0.1
 
@@ -53,6 +55,11 @@ def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
     # resources: 3.3-3.6% of a core on an idle 2-core server, 1.5-1.7% at 0.5 s, taken from the
     # model. A replica's start (seconds) or a health check's period (10 s) dwarfs the 0.4 s.
     env[CONTROL_LOOP_INTERVAL_ENV] = "0.5"
+    # NOTE: each replica, and each handle's router, hands the request metrics it cached to
+    # Ray's metric API every 0.1 s: on an idle 2-core server the replicas and the proxy took
+    # 5.5% of a core at 0.1 s, 3.8% at 1 s (the whole server 13.8%, 11.3%). Ray exports them
+    # to Prometheus every 10 s, so the series do not change.
+    env[METRICS_EXPORT_INTERVAL_ENV] = "1000"
     if os.environ.get(THROUGHPUT_ENV, "1") == "0":
         return {key: value for key, value in env.items() if key not in os.environ}
     env[THROUGHPUT_ENV] = "1"

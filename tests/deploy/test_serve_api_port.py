@@ -17,6 +17,7 @@ import httpx
 from _subprocesses import ServeProcess, pagedray_serve, thread_policies
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedray.cli.serve_runtime import CONTROL_LOOP_INTERVAL_ENV, METRICS_EXPORT_INTERVAL_ENV
 from pagedray.observability.grafana_dashboard import dashboard_json
 from pagedray.observability.ray_grafana import DASHBOARD_FILE
 from pagedray.workers import cpu_scheduling
@@ -83,6 +84,17 @@ def _metrics(server: ServeProcess, families: set[str]) -> str:
         time.sleep(1.0)
 
 
+def _check_serve_intervals(server: ServeProcess) -> None:
+    """Serve's processes run with `pagedray serve`'s intervals (serve_runtime.py)."""
+    for marker in ("ray::ServeController", "OpenAIIngress", "PagedRayEngine", "ProxyActor"):
+        pids = server.processes(marker)
+        assert pids, marker
+        for pid in pids:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"%s=0.5" % CONTROL_LOOP_INTERVAL_ENV.encode() in environ, marker
+            assert b"%s=1000" % METRICS_EXPORT_INTERVAL_ENV.encode() in environ, marker
+
+
 def _check_scheduling_policies(server: ServeProcess) -> None:
     """Ray's daemons and the serving path under SCHED_BATCH, the model's thread and its OpenMP
     team under SCHED_OTHER (workers/cpu_scheduling.py)."""
@@ -133,6 +145,7 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         quiet = [replica["quiet_num_threads"] for replica in replicas]
         assert quiet == [quiet_threads_per_rank(1)]
         _check_scheduling_policies(server)
+        _check_serve_intervals(server)
         # The dashboard lies where the Grafana of Ray's session loads Ray's own dashboards.
         grafana = (server.ray_tmp / "session_latest" / "metrics" / "grafana").resolve()
         assert (grafana / "dashboards" / DASHBOARD_FILE).read_text() == dashboard_json()
