@@ -22,7 +22,7 @@ from pagedray.engine.admission import (
     default_max_num_waiting,
     not_started,
 )
-from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
+from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor, deltas_by_request
 from pagedray.engine.request_errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -143,8 +143,7 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
-        at_end = stream_interval is None
-        self._pending[request_id] = _PendingRequest(engine_request, prompt, at_end)
+        self._pending[request_id] = _PendingRequest(engine_request, prompt, stream_interval is None)
         request_stream = RequestStream(stream_interval, sink)
         self._streams[request_id] = request_stream
         self.admission.track(request_id, self._streams, len(self._streams))
@@ -272,10 +271,7 @@ class AsyncEngine:
 
     def _process(self, finished_step: FinishedStep) -> None:
         """A step's outputs; a stop string found (never mid-run, see `_may_run_on`) stops it."""
-        live = self.output_processor.requests
-        # NOTE: from the engine's outputs, not the deltas: a request read at the end has none.
-        advanced = (out.req_id for out in finished_step.outputs if out.new_token_ids)
-        finished_step.advanced = list(dict.fromkeys(rid for rid in advanced if rid in live))
+        finished_step.advanced = self.output_processor.advanced(finished_step.outputs)
         finished_step.deltas, stopped = self.output_processor.process(finished_step.outputs)
         if stopped:
             self.engine.stop_requests(stopped)
@@ -283,9 +279,7 @@ class AsyncEngine:
 
     def _complete(self, finished_step: FinishedStep) -> None:
         """A finished step's outputs to their streams, and its metrics."""
-        by_request: dict[str, list[ChoiceDelta]] = {}
-        for delta in finished_step.deltas:
-            by_request.setdefault(delta.request_id, []).append(delta)
+        by_request = deltas_by_request(finished_step.deltas)
         if finished_step.record is not None:
             self._recorder.step(finished_step.record, finished_step.advanced)
         self._publish(by_request)
@@ -328,12 +322,9 @@ class AsyncEngine:
                 logger.exception("request %s could not be queued", request.req_id)
                 self._fail(request.req_id, exc)
                 continue
+            params = request.sampling_params
             state = self.output_processor.add_request(
-                request.req_id,
-                item.prompt,
-                request.prompt_token_ids,
-                request.sampling_params,
-                item.at_end,
+                request.req_id, item.prompt, request.prompt_token_ids, params, item.at_end
             )
             state.arrival_time = request.arrival_time
             self._recorder.admitted(self.engine.scheduler.requests[request.req_id])

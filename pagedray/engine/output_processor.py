@@ -154,6 +154,12 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def advanced(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """The live requests that a step's `outputs` (before `process`) give tokens, each once.
+        NOTE: from the engine's outputs, not the deltas: a request read at the end has none."""
+        advanced = (out.req_id for out in outputs if out.new_token_ids)
+        return list(dict.fromkeys(rid for rid in advanced if rid in self.requests))
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[ChoiceDelta], list[str]]:
         """Apply one step's outputs. Returns the deltas and the sequence ids a stop string ended."""
         deltas: list[ChoiceDelta] = []
@@ -237,3 +243,11 @@ class OutputProcessor:
             stop_reason=choice.stop_reason,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def deltas_by_request(deltas: list[ChoiceDelta]) -> dict[str, list[ChoiceDelta]]:
+    """A step's deltas grouped by request, in order."""
+    by_request: dict[str, list[ChoiceDelta]] = {}
+    for delta in deltas:
+        by_request.setdefault(delta.request_id, []).append(delta)
+    return by_request
