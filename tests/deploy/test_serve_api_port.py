@@ -80,7 +80,7 @@ def _metrics(server: ServeProcess, families: set[str]) -> str:
         assert response.status_code == 200, response.text
         if families <= _family_names(response.text):
             return response.text
-        assert time.monotonic() < deadline, (families - _family_names(response.text))
+        assert time.monotonic() < deadline, families - _family_names(response.text)
         time.sleep(1.0)
 
 

@@ -36,9 +36,7 @@ def test_written_into_an_existing_folder_whole_and_readable(tmp_path: Path) -> N
     assert [p.name for p in folder.iterdir()] == [DASHBOARD_FILE]  # no staging file left
 
 
-def test_rays_environment_moves_the_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rays_environment_moves_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_METRICS_OUTPUT_ROOT", str(tmp_path / "root"))
     assert ray_dashboards_folder("/tmp/ray", "s") == tmp_path / "root" / "grafana" / "dashboards"
     monkeypatch.setenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", str(tmp_path / "d"))
