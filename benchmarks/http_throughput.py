@@ -5,7 +5,10 @@ output lengths) runs offline through `LLM.generate`, then through a `pagedray se
 its own local Ray: every request at once to /v1/completions, without and with streaming. Each
 system first runs the whole workload once untimed (`--cold` skips it), so that a fresh server's
 one-off costs (oneDNN compiling a primitive per batch size it meets) are not timed against an
-engine that has paid them already. Each system runs at its defaults: `LLM.generate` on every
+engine that has paid them already. Each repeat starts each system once and times `--passes`
+passes of the workload through it (a server's alternate streamed and not): on a 2-core machine
+one pass's wall time varies by 10-25% with what else wakes meanwhile, and a pass costs a few
+seconds where a server's start costs 20. Each system runs at its defaults: `LLM.generate` on every
 core (`--threads`), the server on all but one, which it leaves to its serving path
 (`--server-threads` overrides).
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -227,8 +231,11 @@ class ServerCpu:
 # ---- offline: LLM.generate -------------------------------------------------------------------
 
 
-def run_offline(path: str, workload: Workload, threads: int, tp: int, warm: bool) -> Run:
-    """`LLM.generate` in this process (its TP ranks as Ray actors on a local Ray of our own)."""
+def run_offline(
+    path: str, workload: Workload, threads: int, tp: int, warm: bool, passes: int
+) -> list[Run]:
+    """`LLM.generate` in this process (its TP ranks as Ray actors on a local Ray of our own):
+    `passes` timed passes of the workload, each under a cache salt of its own."""
     import ray
 
     from pagedray import LLM, SamplingParams
@@ -253,25 +260,36 @@ def run_offline(path: str, workload: Workload, threads: int, tp: int, warm: bool
         texts[:] = [out.outputs[0].text for out in outputs]
         return [list(out.outputs[0].token_ids) for out in outputs]
 
+    runs = []
     try:
         llm = LLM(path, dtype="float32", num_threads=threads, tensor_parallel_size=tp)
         generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
         if warm:
             generate(workload.prompts, workload.output_lens, "warm")  # not timed
-        with OtherCpu([os.getsid(0)]) as others:
-            cpu_start = time.process_time()
-            result = timed("LLM.generate", lambda: generate(workload.prompts, workload.output_lens))
-            cpu_s = time.process_time() - cpu_start
+        for index in range(passes):
+            with OtherCpu([os.getsid(0)]) as others:
+                cpu_start = time.process_time()
+                salt = f"pass{index}"
+                result = timed(
+                    "LLM.generate",
+                    functools.partial(generate, workload.prompts, workload.output_lens, salt),
+                )
+                cpu_s = time.process_time() - cpu_start
+            counts = [len(t) for t in result.token_ids]
+            # NOTE: at TP=2 the ranks are actors in other processes: their CPU is not counted.
+            cpu = {"LLM.generate process": cpu_s}
+            run = Run(
+                "LLM.generate", tp, result.wall_s, sum(counts), list(texts), counts,
+                others.others_s, [], cpu,
+            )  # fmt: skip
+            print_progress(run)
+            runs.append(run)
     finally:
         if llm is not None:
             llm.shutdown()
         if tp > 1:
             ray.shutdown()
-    counts = [len(t) for t in result.token_ids]
-    # NOTE: at TP=2 the ranks are actors in other processes: their CPU is not counted here.
-    cpu = {"LLM.generate process": cpu_s}
-    wall_s = result.wall_s
-    return Run("LLM.generate", tp, wall_s, sum(counts), texts, counts, others.others_s, [], cpu)
+    return runs
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -457,11 +475,14 @@ async def send_all(
         return wall_s, replies, others.others_s, server_cpu.by_role
 
 
-def run_http(server: Server, workload: Workload, stream: bool, tp: int, warm: bool) -> Run:
+def run_http(
+    server: Server, workload: Workload, stream: bool, tp: int, warm: bool, index: int
+) -> Run:
+    """Timed pass `index` of the workload through the server, under a cache salt of its own."""
     name = "HTTP stream" if stream else "HTTP"
     sessions = [os.getsid(0), server.proc.pid]
     wall_s, replies, others_s, cpu_by_role = asyncio.run(
-        send_all(server.url, workload, stream, f"{name} tp{tp}", sessions, warm)
+        send_all(server.url, workload, stream, f"{name} tp{tp} pass{index}", sessions, warm)
     )
     client_cpu_s = cpu_by_role.pop("client")
     counts = [r.completion_tokens for r in replies]
@@ -480,17 +501,20 @@ def run_server(
     timeout_s: float,
     stream_interval: int,
     warm: bool,
+    passes: int,
 ) -> list[Run]:
-    """Start a server, run the workload through it without and with streaming, stop it."""
+    """Start a server, run the workload through it without and with streaming, alternating,
+    `passes` times each (the untimed warm pass before each mode's first), stop it."""
     log_dir = Path(tempfile.mkdtemp(prefix="pagedray_http_bench_"))
     server = Server(path, threads, tp, log_dir, stream_interval)
     try:
         startup_s = server.wait_healthy(timeout_s)
         print(f"server tp={tp} healthy after {startup_s:.0f} s at {server.url}", flush=True)
         runs = []
-        for stream in (False, True):
-            runs.append(run_http(server, workload, stream, tp, warm))
-            print_progress(runs[-1])
+        for index in range(passes):
+            for stream in (False, True):
+                runs.append(run_http(server, workload, stream, tp, warm and index == 0, index))
+                print_progress(runs[-1])
     except BaseException:
         print(f"server tp={tp} failed; its log stays at {server.log_path}", flush=True)
         raise
@@ -516,7 +540,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def median_runs(runs: list[Run]) -> list[Run]:
-    """Per system (name and TP), the run of median throughput, in first-seen order."""
+    """Per system (name and TP), the run of median throughput over every pass of every repeat,
+    in first-seen order."""
     groups: dict[tuple[str, int], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.name, run.tp), []).append(run)
@@ -525,7 +550,7 @@ def median_runs(runs: list[Run]) -> list[Run]:
         ordered = sorted(group, key=lambda run: run.output_tok_s)
         if len(group) > 1:
             figures = ", ".join(f"{run.output_tok_s:.0f}" for run in group)
-            print(f"{name} tp={tp}: output tok/s per repeat {figures}")
+            print(f"{name} tp={tp}: output tok/s per pass {figures}")
         medians.append(ordered[(len(ordered) - 1) // 2])
     return medians
 
@@ -604,6 +629,13 @@ def parse_args() -> argparse.Namespace:
         help="interleaved repeats of every system; the report shows each one's median run",
     )
     parser.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="timed passes of the workload per system and repeat (a server starts once per "
+        "repeat; its passes alternate streamed and not)",
+    )
+    parser.add_argument(
         "--stream-interval", type=int, default=1, help="the server's --stream-interval (tokens)"
     )
     parser.add_argument(
@@ -634,8 +666,7 @@ def main() -> None:
                 f"load average {load}",
                 flush=True,
             )
-            runs.append(run_offline(path, workload, threads, tp, not args.cold))
-            print_progress(runs[-1])
+            runs.extend(run_offline(path, workload, threads, tp, not args.cold, args.passes))
             runs.extend(
                 run_server(
                     path,
@@ -645,6 +676,7 @@ def main() -> None:
                     args.startup_timeout,
                     args.stream_interval,
                     not args.cold,
+                    args.passes,
                 )  # fmt: skip
             )
     report(workload, median_runs(runs))
