@@ -14,7 +14,7 @@ import logging
 from typing import Any, AsyncGenerator
 
 from pagedray.engine.request_text import RequestText
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.openai.output_subscriber import OutputSubscriber
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
@@ -85,9 +85,13 @@ class EngineStreams:
         tasks = self._pump_calls()
         done: set[int] = set()  # streams finished here: later items are dropped
         calls_ended: set[int] = set()
+        held: tuple[int, Any] | None = None  # taken from the queue, not yet handled
         try:
             while len(calls_ended) < len(tasks) or len(done) < len(tasks):
-                index, item = await queue.get()
+                if held is not None:
+                    (index, item), held = held, None
+                else:
+                    index, item = await queue.get()
                 if item is None:
                     calls_ended.add(index)
                     if index in self.by_channel and index not in done:
@@ -106,6 +110,7 @@ class EngineStreams:
                     done.add(index)
                     yield index, RequestStepOutput("", error=error)
                     continue
+                item, held = self._with_queued(index, item)
                 output = self._with_text(index, item)
                 if output.finished:
                     done.add(index)
@@ -142,6 +147,22 @@ class EngineStreams:
             tasks.append(task)
         return tasks
 
+    def _with_queued(
+        self, index: int, output: RequestStepOutput
+    ) -> tuple[RequestStepOutput, tuple[int, Any] | None]:
+        """`output` and the outputs of the same engine request queued right behind it, as one
+        (vLLM's `RequestOutputCollector`): a reader that falls behind the engine's steps then
+        writes fewer, larger chunks of the same text, and the ingress spends less per token
+        where it is busiest. Also returns the first queued item that could not join (another
+        prompt's, an error, a call's end), to be handled next."""
+        queued = [output]
+        while not queued[-1].finished and not self.queue.empty():
+            next_index, item = self.queue.get_nowait()
+            if next_index != index or not isinstance(item, RequestStepOutput) or item.error:
+                return _joined(queued), (next_index, item)
+            queued.append(item)
+        return _joined(queued), None
+
     def _with_text(self, index: int, output: RequestStepOutput) -> RequestStepOutput:
         text = self.texts[index]
         deltas = [d for d in (text.apply(delta) for delta in output.deltas) if d is not None]
@@ -175,6 +196,10 @@ class EngineStreams:
 
 class ChannelLostError(RuntimeError):
     """A streamed request's call ended, but its finish never came through the output channel."""
+
+
+def _joined(outputs: list[RequestStepOutput]) -> RequestStepOutput:
+    return outputs[0] if len(outputs) == 1 else merge_step_outputs(outputs)
 
 
 def _put_indexed(queue: asyncio.Queue[tuple[int, Any]], index: int, output: Any) -> None:

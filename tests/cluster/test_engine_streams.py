@@ -86,3 +86,61 @@ def test_a_stop_string_in_outputs_queued_before_the_stream_is_read_ends_it(
     text = "".join(d.text for output in outputs for d in output.deltas)
     assert outputs[-1].finished and text == "hello "
     assert "cmpl-1" in engine.cancelled  # the engine request is aborted
+
+
+def _streamed_request(request_id: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "prompt_token_ids": [1, 2],
+        "sampling_params": SamplingParams(max_tokens=max_tokens),
+        "stream_interval": 1,
+    }
+
+
+def _token_output(request_id: str, token_id: int, finish: str | None) -> RequestStepOutput:
+    delta = ChoiceDelta(request_id, 0, "", [token_id], None, finish, None)
+    return RequestStepOutput(request_id, [delta], finished=finish is not None)
+
+
+def test_outputs_queued_behind_a_slow_reader_leave_as_one_with_the_same_text(
+    tiny_llama: str,
+) -> None:
+    """Steps the reader fell behind on are joined into one output (one chunk to write), as
+    vLLM's RequestOutputCollector does; a reader that keeps up gets one output a step. Either
+    way the text is the tokens' text, and nothing is lost or doubled."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    token_ids = tokenizer.encode("the quick brown fox jumps over", add_special_tokens=False)
+    engine = _StandInEngine()
+
+    async def read(request_id: str, behind: bool) -> list[RequestStepOutput]:
+        subscriber = OutputSubscriber(engine)
+        streams = EngineStreams(
+            engine, [_streamed_request(request_id, len(token_ids))], tokenizer, subscriber
+        )
+        assert await streams.open() is None
+        steps = [
+            _token_output(request_id, token, "length" if i == len(token_ids) - 1 else None)
+            for i, token in enumerate(token_ids)
+        ]
+        # NOTE: read until the finished output only: the stand-in's call never ends by itself.
+        outputs: list[RequestStepOutput] = []
+        merged = streams.merged()
+        if behind:  # every step's output lands before the reader first runs
+            for step in steps:
+                subscriber._deliver([step])
+        while not outputs or not outputs[-1].finished:
+            if not behind:  # one step, then the reader takes it
+                subscriber._deliver([steps[len(outputs)]])
+            outputs.append((await anext(merged))[1])
+        await merged.aclose()
+        return outputs
+
+    kept_up = asyncio.run(asyncio.wait_for(read("cmpl-up", behind=False), 10.0))
+    fell_behind = asyncio.run(asyncio.wait_for(read("cmpl-behind", behind=True), 10.0))
+    assert len(kept_up) == len(token_ids) and len(fell_behind) == 1
+    expected = tokenizer.decode(token_ids)
+    for outputs in (kept_up, fell_behind):
+        assert "".join(d.text for output in outputs for d in output.deltas) == expected
+        assert [t for output in outputs for d in output.deltas for t in d.token_ids] == token_ids
+        assert outputs[-1].finished and outputs[-1].usage is not None
+        assert outputs[-1].usage["completion_tokens"] == len(token_ids)
