@@ -158,7 +158,8 @@ class EngineStreams:
         queued = [output]
         while not queued[-1].finished and not self.queue.empty():
             next_index, item = self.queue.get_nowait()
-            if next_index != index or not isinstance(item, RequestStepOutput) or item.error:
+            mergeable = isinstance(item, RequestStepOutput) and item.error is None
+            if next_index != index or not mergeable:
                 return _joined(queued), (next_index, item)
             queued.append(item)
         return _joined(queued), None
