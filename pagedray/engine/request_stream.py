@@ -56,7 +56,7 @@ class RequestStream:
                     finished = True
                     raise item
                 finished = batch[-1].finished
-                yield batch[0] if len(batch) == 1 else merge_step_outputs(batch)
+                yield merge_step_outputs(batch)
         finally:
             if not finished:
                 on_close()

@@ -64,7 +64,7 @@ class StreamCoalescer:
         held, self._held = self._held, []
         self._sent_tokens = self._sent_tokens or self._held_tokens > 0
         self._held_tokens = 0
-        return held[0] if len(held) == 1 else merge_step_outputs(held)
+        return merge_step_outputs(held)
 
 
 def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
@@ -72,7 +72,10 @@ def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
 
     Each choice's deltas fold into one (text, tokens and logprobs joined in order): a client
     then gets one chunk per choice for the whole span, as from vLLM's `--stream-interval`.
+    A single output is returned as it is.
     """
+    if len(outputs) == 1:
+        return outputs[0]
     last = outputs[-1]
     by_choice: dict[int, list[ChoiceDelta]] = {}
     for output in outputs:

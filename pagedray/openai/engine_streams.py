@@ -160,9 +160,9 @@ class EngineStreams:
             next_index, item = self.queue.get_nowait()
             mergeable = isinstance(item, RequestStepOutput) and item.error is None
             if next_index != index or not mergeable:
-                return _joined(queued), (next_index, item)
+                return merge_step_outputs(queued), (next_index, item)
             queued.append(item)
-        return _joined(queued), None
+        return merge_step_outputs(queued), None
 
     def _with_text(self, index: int, output: RequestStepOutput) -> RequestStepOutput:
         text = self.texts[index]
@@ -197,10 +197,6 @@ class EngineStreams:
 
 class ChannelLostError(RuntimeError):
     """A streamed request's call ended, but its finish never came through the output channel."""
-
-
-def _joined(outputs: list[RequestStepOutput]) -> RequestStepOutput:
-    return outputs[0] if len(outputs) == 1 else merge_step_outputs(outputs)
 
 
 def _put_indexed(queue: asyncio.Queue[tuple[int, Any]], index: int, output: Any) -> None:
