@@ -29,6 +29,7 @@ LEAN_VARS = (
     serve_runtime.FORCE_STOP_UNHEALTHY_ENV,
     serve_runtime.CONTROL_LOOP_INTERVAL_ENV,
     serve_runtime.METRICS_EXPORT_INTERVAL_ENV,
+    serve_runtime.LOG_MONITOR_FILES_THRESHOLD_ENV,
 )
 
 
@@ -50,6 +51,7 @@ def test_one_ingress_replica_takes_the_api_port_itself() -> None:
         "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
         "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     }
 
 
@@ -76,12 +78,14 @@ def test_the_users_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
         "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
         "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     }
     assert lean_serve_env(8000, 1) == {"RAY_worker_niceness": "0", **forced}
     monkeypatch.setenv(serve_runtime.WORKER_NICENESS_ENV, "5")
     monkeypatch.setenv(serve_runtime.FORCE_STOP_UNHEALTHY_ENV, "0")
     monkeypatch.setenv(serve_runtime.CONTROL_LOOP_INTERVAL_ENV, "0.1")
     monkeypatch.setenv(serve_runtime.METRICS_EXPORT_INTERVAL_ENV, "100")
+    monkeypatch.setenv(serve_runtime.LOG_MONITOR_FILES_THRESHOLD_ENV, "1000")
     assert lean_serve_env(8000, 1) == {}
 
 

@@ -17,7 +17,11 @@ import httpx
 from _subprocesses import ServeProcess, pagedray_serve, thread_policies
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedray.cli.serve_runtime import CONTROL_LOOP_INTERVAL_ENV, METRICS_EXPORT_INTERVAL_ENV
+from pagedray.cli.serve_runtime import (
+    CONTROL_LOOP_INTERVAL_ENV,
+    LOG_MONITOR_FILES_THRESHOLD_ENV,
+    METRICS_EXPORT_INTERVAL_ENV,
+)
 from pagedray.observability.grafana_dashboard import dashboard_json
 from pagedray.observability.ray_grafana import DASHBOARD_FILE
 from pagedray.workers import cpu_scheduling
@@ -85,7 +89,8 @@ def _metrics(server: ServeProcess, families: set[str]) -> str:
 
 
 def _check_serve_intervals(server: ServeProcess) -> None:
-    """Serve's processes run with `pagedray serve`'s intervals (serve_runtime.py)."""
+    """Serve's processes and Ray's log monitor run with `pagedray serve`'s intervals
+    (serve_runtime.py)."""
     for marker in ("ray::ServeController", "OpenAIIngress", "PagedRayEngine", "ProxyActor"):
         pids = server.processes(marker)
         assert pids, marker
@@ -93,6 +98,9 @@ def _check_serve_intervals(server: ServeProcess) -> None:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert b"%s=0.5" % CONTROL_LOOP_INTERVAL_ENV.encode() in environ, marker
             assert b"%s=1000" % METRICS_EXPORT_INTERVAL_ENV.encode() in environ, marker
+    (log_monitor,) = server.processes("log_monitor.py")
+    environ = Path(f"/proc/{log_monitor}/environ").read_bytes().split(b"\0")
+    assert b"%s=0" % LOG_MONITOR_FILES_THRESHOLD_ENV.encode() in environ
 
 
 def _check_scheduling_policies(server: ServeProcess) -> None:
