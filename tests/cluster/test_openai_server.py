@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import pickle
 import time
@@ -702,9 +703,13 @@ class TestLimitedApp:
         )
         whole = client.completions.create(**kwargs).choices[0]
         chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
-        # The first token at once, then every 4 tokens, the rest with the finish.
-        assert [len(c.logprobs.tokens) for c in chunks] == [1, 4, 4, 1]
-        assert [c.finish_reason for c in chunks] == [None, None, None, "length"]
+        # The engine sends the first token at once, then every 4 tokens, the rest with the
+        # finish: [1, 4, 4, 1]. Outputs that queued behind a reader that fell behind leave as
+        # one chunk (EngineStreams), e.g. [5, 4, 1] on a busy machine, so a chunk ends only
+        # where one of the engine's does: after token 1, 5, 9 or the last.
+        ends = list(itertools.accumulate(len(c.logprobs.tokens) for c in chunks))
+        assert set(ends) <= {1, 5, 9, 10} and ends[-1] == 10, ends
+        assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
         assert "".join(c.text for c in chunks) == whole.text
         assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
 
