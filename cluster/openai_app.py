@@ -287,7 +287,7 @@ class OpenAIIngress(IngressBase):
             return StreamingResponse(events, media_type="text/event-stream")
         result = await whole_response(job, *started, save)
         if result.get("object") != "response":  # the engine's error
-            return engine_error_response(result)
+            return in_responses_terms(engine_error_response(result))
         return JSONResponse(result)
 
     @app.get("/v1/responses/{response_id}", responses=responses(None, errors=(401, 404, 503)))

@@ -27,7 +27,10 @@ class EngineStreams:
     (the engine streams token ids) and merged.
 
     With a `subscriber`, streamed requests (a `stream_interval`) take their outputs from the
-    engines' output channels, and their own calls carry only acceptance and failure.
+    engines' output channels, and their own calls carry only acceptance and failure. A request
+    that wants one output at the end (`stream_interval` None) is one unary call
+    (`generate_once`): its answer is its refusal, failure or output, so it is not waited for
+    in `open`.
 
     A stream whose every choice has ended here (a stop string) is finished at once and its
     engine request cancelled, which aborts it in the engine.
@@ -50,6 +53,11 @@ class EngineStreams:
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.subscriber = subscriber
         self.by_channel: set[int] = set()
+        self.unary = {
+            index
+            for index, request in enumerate(requests)
+            if "stream_interval" in request and request["stream_interval"] is None
+        }
         if subscriber is not None:
             for index, request in enumerate(requests):
                 if request.get("stream_interval") is not None:
@@ -57,25 +65,34 @@ class EngineStreams:
                     deliver = functools.partial(_put_indexed, self.queue, index)
                     subscriber.register(request["request_id"], deliver)
                     self.by_channel.add(index)
-        self.generators = [streaming.generate.remote(request) for request in requests]
+        # Streams (DeploymentResponseGenerator) and, for unary requests, DeploymentResponses.
+        self.generators = [
+            engine.generate_once.remote(request)
+            if index in self.unary
+            else streaming.generate.remote(request)
+            for index, request in enumerate(requests)
+        ]
 
     async def open(self) -> dict[str, Any] | None:
-        """Wait until every engine request is accepted; returns the first refusal, if any."""
+        """Wait until every streamed engine request is accepted; returns the first refusal, if
+        any. A unary request's refusal comes as its answer, through `merged`."""
+        streamed = [i for i in range(len(self.generators)) if i not in self.unary]
         try:
             firsts = await asyncio.gather(
-                *(gen.__anext__() for gen in self.generators), return_exceptions=True
+                *(self.generators[i].__anext__() for i in streamed), return_exceptions=True
             )
         except BaseException:  # cancelled: the client went away before admission
             self.close()
             raise
-        for request_id, first in zip(self.request_ids, firsts):
-            error = _error_of(first, request_id)
+        first_of = dict(zip(streamed, firsts))
+        for index, first in first_of.items():
+            error = _error_of(first, self.request_ids[index])
             if error is not None:
                 self.close()
                 return error
         for index in self.by_channel:
             assert self.subscriber is not None
-            replica_id = getattr(firsts[index], "replica_id", None)
+            replica_id = getattr(first_of[index], "replica_id", None)
             self.subscriber.accepted(self.request_ids[index], replica_id)
         return None
 
@@ -128,6 +145,9 @@ class EngineStreams:
 
         async def pump(index: int, gen: Any) -> None:
             try:
+                if index in self.unary:
+                    self.queue.put_nowait((index, await gen))
+                    return
                 async for item in gen:
                     self.queue.put_nowait((index, item))
             except asyncio.CancelledError:

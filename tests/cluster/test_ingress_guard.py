@@ -146,17 +146,43 @@ def test_engine_errors_set_retry_after() -> None:
 
 
 class _FakeHandle:
-    """A DeploymentHandle whose generate streams yield `items` (an exception is raised)."""
+    """A DeploymentHandle whose generate streams yield `items` (an exception is raised), and
+    whose unary `generate_once` answers the last of them."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
         self.generate = self
+        self.generate_once = _FakeUnary(items[-1])
 
     def options(self, stream: bool) -> _FakeHandle:
         return self
 
     def remote(self, request: dict[str, Any]) -> Any:
         return _FakeGenerator(list(self.items))
+
+
+class _FakeUnary:
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def remote(self, request: dict[str, Any]) -> _FakeResponse:
+        return _FakeResponse(self.answer)
+
+
+class _FakeResponse:
+    """A DeploymentResponse: awaited, it returns its answer or raises it."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def __await__(self) -> Iterator[Any]:
+        yield from asyncio.sleep(0).__await__()
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def cancel(self) -> None:
+        pass
 
 
 class _FakeGenerator:
@@ -181,11 +207,16 @@ class _FakeGenerator:
 PARAMS = SamplingParams(max_tokens=4)
 
 
-def _merged_errors(items: list[Any], caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    """The errors a client would see: the refusal at admission, or those in the stream."""
+def _merged_errors(
+    items: list[Any], caplog: pytest.LogCaptureFixture, unary: bool
+) -> list[dict[str, Any]]:
+    """The errors a client would see: the refusal at admission, or those in the stream; with
+    `unary`, of a request that wants one output at the end (one unary call, `generate_once`)."""
 
     async def run() -> list[dict[str, Any]]:
         request = {"request_id": "cmpl-7", "prompt_token_ids": [1], "sampling_params": PARAMS}
+        if unary:
+            request["stream_interval"] = None
         streams = EngineStreams(_FakeHandle(items), [request], tokenizer=None)
         refused = await streams.open()
         if refused is not None:
@@ -196,9 +227,12 @@ def _merged_errors(items: list[Any], caplog: pytest.LogCaptureFixture) -> list[d
         return asyncio.run(run())
 
 
-def test_a_dead_replica_is_engine_unavailable(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
+def test_a_dead_replica_is_engine_unavailable(
+    caplog: pytest.LogCaptureFixture, unary: bool
+) -> None:
     died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited, traceback ...")
-    errors = _merged_errors([RequestStepOutput("cmpl-7"), died], caplog)
+    errors = _merged_errors([RequestStepOutput("cmpl-7"), died], caplog, unary)
     assert errors == [
         {
             "status": 503,
@@ -209,8 +243,9 @@ def test_a_dead_replica_is_engine_unavailable(caplog: pytest.LogCaptureFixture) 
     assert "cmpl-7" in caplog.text and "pid=1234" in caplog.text
 
 
+@pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
 def test_an_internal_engine_error_keeps_only_the_request_id(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, unary: bool
 ) -> None:
     internal = {
         "status": 500,
@@ -219,9 +254,9 @@ def test_an_internal_engine_error_keeps_only_the_request_id(
         "param": None,
     }
     failed = RequestStepOutput("", error=internal)
-    errors = _merged_errors([RequestStepOutput("cmpl-7"), failed], caplog)
+    errors = _merged_errors([RequestStepOutput("cmpl-7"), failed], caplog, unary)
     assert errors[0]["message"] == "internal error (request cmpl-7)"
     assert errors[0]["status"] == 500 and "sampler.py" in caplog.text
     # Refusals the client can act on keep their message.
     refused = {"status": 400, "message": "prompt: too long", "type": "BadRequestError"}
-    assert _merged_errors([RequestStepOutput("", error=refused)], caplog) == [refused]
+    assert _merged_errors([RequestStepOutput("", error=refused)], caplog, unary) == [refused]

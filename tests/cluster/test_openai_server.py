@@ -529,6 +529,32 @@ def test_concurrent_streams_on_both_replicas_come_through_their_channels(
     assert len(sent) == 2 and all(n >= 1 for n in sent), sent
 
 
+def test_a_request_for_one_output_is_one_unary_call(main_url: str, offline: LLM) -> None:
+    """Through the engine deployment's own handle: a request that wants one output at the end
+    (what a non-streamed completion without stop strings sends) is one unary call, answered
+    with its finished output, token-exact with offline, or with the engine's refusal."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("PagedRayEngine", "main")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    request = {
+        "request_id": "unary-test-0",
+        "prompt_token_ids": [2, 7, 1, 8, 2],
+        "sampling_params": params,
+        "stream_interval": None,
+    }
+    output = engine.generate_once.remote(request).result(timeout_s=60)
+    assert output.error is None and output.finished
+    expected = offline.generate([{"prompt_token_ids": request["prompt_token_ids"]}], params)
+    assert [t for d in output.deltas for t in d.token_ids] == expected[0].outputs[0].token_ids
+    assert output.usage is not None and output.usage["completion_tokens"] == 6
+    max_model_len = httpx.get(f"{main_url}/v1/models").json()["data"][0]["max_model_len"]
+    too_long = {**request, "request_id": "unary-test-1", "prompt_token_ids": [5] * max_model_len}
+    refused = engine.generate_once.remote(too_long).result(timeout_s=60)
+    assert refused.error is not None and refused.error["status"] == 400, refused
+    assert refused.error["param"] == "max_tokens" and not refused.deltas
+
+
 def test_a_channel_is_read_on_the_replica_that_holds_the_request(
     main_url: str, offline: LLM
 ) -> None:
