@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -502,11 +503,12 @@ def run_server(
     stream_interval: int,
     warm: bool,
     passes: int,
+    serve_args: tuple[str, ...] = (),
 ) -> list[Run]:
     """Start a server, run the workload through it without and with streaming, alternating,
     `passes` times each (the untimed warm pass before each mode's first), stop it."""
     log_dir = Path(tempfile.mkdtemp(prefix="pagedray_http_bench_"))
-    server = Server(path, threads, tp, log_dir, stream_interval)
+    server = Server(path, threads, tp, log_dir, stream_interval, serve_args)
     try:
         startup_s = server.wait_healthy(timeout_s)
         print(f"server tp={tp} healthy after {startup_s:.0f} s at {server.url}", flush=True)
@@ -644,6 +646,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--cold", action="store_true", help="no untimed pass of the workload before the timed one"
     )
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more flags for `pagedray serve`, as one string: '--max-num-batched-tokens 4096'",
+    )
     return parser.parse_args()
 
 
@@ -654,6 +661,7 @@ def main() -> None:
     print(
         f"model {path}, {num_requests} requests, seed {args.seed}, "
         f"stream interval {args.stream_interval}"
+        + (f", serve args {args.serve_args!r}" if args.serve_args else "")
     )
     print(f"prompt tokens {workload.num_prompt_tokens}, output tokens {workload.num_output_tokens}")
     runs: list[Run] = []
@@ -677,6 +685,7 @@ def main() -> None:
                     args.stream_interval,
                     not args.cold,
                     args.passes,
+                    tuple(shlex.split(args.serve_args)),
                 )  # fmt: skip
             )
     report(workload, median_runs(runs))
