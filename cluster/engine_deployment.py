@@ -143,9 +143,10 @@ class EngineDeployment:
         request. Cancelling the call aborts the request, as for `generate`."""
         async with contextlib.aclosing(self.generate(request)) as stream:
             outputs = [output async for output in stream]
-        failed = [output for output in outputs if output.error is not None]
-        after_acceptance = outputs[1:] or outputs
-        return failed[0] if failed else merge_step_outputs(after_acceptance)
+        failed = next((output for output in outputs if output.error is not None), None)
+        if failed is not None:
+            return failed
+        return merge_step_outputs(outputs[1:] or outputs)  # the outputs after the acceptance
 
     async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:
         """Output channel `channel_id`'s batches, one per step, while the caller reads: each a

@@ -65,8 +65,8 @@ class EngineStreams:
                     deliver = functools.partial(_put_indexed, self.queue, index)
                     subscriber.register(request["request_id"], deliver)
                     self.by_channel.add(index)
-        # Streams (DeploymentResponseGenerator) and, for unary requests, DeploymentResponses.
-        self.generators = [
+        # A stream (DeploymentResponseGenerator) per request, or a DeploymentResponse if unary.
+        self.calls = [
             engine.generate_once.remote(request)
             if index in self.unary
             else streaming.generate.remote(request)
@@ -76,10 +76,10 @@ class EngineStreams:
     async def open(self) -> dict[str, Any] | None:
         """Wait until every streamed engine request is accepted; returns the first refusal, if
         any. A unary request's refusal comes as its answer, through `merged`."""
-        streamed = [i for i in range(len(self.generators)) if i not in self.unary]
+        streamed = [i for i in range(len(self.calls)) if i not in self.unary]
         try:
             firsts = await asyncio.gather(
-                *(self.generators[i].__anext__() for i in streamed), return_exceptions=True
+                *(self.calls[i].__anext__() for i in streamed), return_exceptions=True
             )
         except BaseException:  # cancelled: the client went away before admission
             self.close()
@@ -133,7 +133,7 @@ class EngineStreams:
                     done.add(index)
                     if not item.finished:  # ended here: the engine need not go on
                         tasks[index].cancel()
-                        self.generators[index].cancel()
+                        self.calls[index].cancel()
                 yield index, output
         finally:
             for task in tasks:
@@ -143,12 +143,12 @@ class EngineStreams:
     def _pump_calls(self) -> list[asyncio.Task[None]]:
         """A task per engine call feeding the queue its items, then a None when it ends."""
 
-        async def pump(index: int, gen: Any) -> None:
+        async def pump(index: int, call: Any) -> None:
             try:
                 if index in self.unary:
-                    self.queue.put_nowait((index, await gen))
+                    self.queue.put_nowait((index, await call))
                     return
-                async for item in gen:
+                async for item in call:
                     self.queue.put_nowait((index, item))
             except asyncio.CancelledError:
                 pass  # ended here (a stop string) or by the caller
@@ -159,8 +159,8 @@ class EngineStreams:
             self.queue.put_nowait((index, None))
 
         tasks = []
-        for index, gen in enumerate(self.generators):
-            task = asyncio.create_task(pump(index, gen))
+        for index, call in enumerate(self.calls):
+            task = asyncio.create_task(pump(index, call))
             # NOTE: a callback, not the pump's `finally`: a task cancelled before it first ran
             # (a stop string in outputs the channel queued early) never runs its body.
             task.add_done_callback(functools.partial(ended, index))
@@ -208,8 +208,8 @@ class EngineStreams:
 
     def close(self) -> None:
         # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
-        for gen in self.generators:
-            gen.cancel()
+        for call in self.calls:
+            call.cancel()
         if self.subscriber is not None:
             for index in self.by_channel:
                 self.subscriber.unregister(self.request_ids[index])
