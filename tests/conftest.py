@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
+import clone_only
 import pytest
 import torch
+
+clone_only.install()
 
 # NOTE: two processes each running 2 OpenMP threads on 2 cores slow matmuls by 10x or more;
 # the test process keeps to what it owns, spawned workers set their own.

@@ -4,6 +4,7 @@ its RayService validated against KubeRay's CRD schema, its serveConfigV2 built b
 from __future__ import annotations
 
 import copy
+import gzip
 import math
 from functools import cache
 from pathlib import Path
@@ -17,8 +18,8 @@ from ray.serve.schema import ServeDeploySchema
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm/pagedray"
-# KubeRay's RayService CRD, kept in the shared/ folder beside the repository.
-CRD = ROOT.parent / "shared/schemas/kuberay/ray.io_rayservices.yaml"
+# KubeRay's RayService CRD, shipped with the tests (tests/helm/kuberay/README.md says whence).
+CRD = Path(__file__).parent / "kuberay/ray.io_rayservices.yaml.gz"
 RELEASE, NAMESPACE = "llm", "serving"
 TP4_X2 = {"engine": {"tensorParallelSize": 4, "replicas": 2}}
 MONITORING_ON = {
@@ -64,7 +65,7 @@ def _kube_schema(node: Any) -> Any:
 
 @cache
 def _rayservice_validator() -> Draft7Validator:
-    crd = yaml.safe_load(CRD.read_text())
+    crd = yaml.safe_load(gzip.decompress(CRD.read_bytes()))
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     checker = FormatChecker()
 
