@@ -16,13 +16,34 @@ import bisect
 import json
 import re
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
 from pagedray.engine.unicode_text import has_lone_surrogate
 
+# The roles a template renders, and OpenAI's two others: `developer` (the system role of its newer
+# models) and `function` (a function's result, before tool calls), each rendered as the role it
+# stands for when the template does not know it by name, as OpenAI and vLLM serve them.
 ROLES = ("system", "user", "assistant", "tool")
+STANDS_FOR = {"developer": "system", "function": "tool"}
+
+
+@dataclass(frozen=True)
+class ChatEnding:
+    """How a rendered conversation ends (vLLM's chat request fields of the same names): with the
+    assistant's turn opened, as usual, or with the final (assistant) message left open, so that
+    the output continues it (a prefill)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message: cannot be true together with add_generation_prompt"
+            )
 
 
 class ChatTokenizer:
@@ -30,6 +51,14 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        template_text = template if isinstance(template, str) else ""
+        # A template that tests for a role by name (`message['role'] == 'developer'`) renders it.
+        self.template_roles = frozenset(
+            role
+            for role in STANDS_FOR
+            if re.search(rf"""role['"]?\]?\s*[!=]=\s*['"]{role}['"]""", template_text)
+        )
         added = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
         special = {i: token for i, token in added.items() if getattr(token, "special", False)}
         self.special_ids = set(special) | set(getattr(tokenizer, "all_special_ids", []))
@@ -47,28 +76,35 @@ class ChatTokenizer:
             self._text_backend = Tokenizer.from_str(backend.to_str())
             self._text_backend.encode_special_tokens = True
 
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None = None,
+        ending: ChatEnding | None = None,
+    ) -> str:
         """The template applied to checked messages (and `tools`, function definitions in
-        OpenAI's format), with the assistant's turn opened."""
-        messages = check_messages(messages)
+        OpenAI's format), ending as `ending` says (by default, the assistant's turn opened)."""
+        messages = check_messages(messages, self.template_roles)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("messages: this model's tokenizer has no chat template")
-        return self._apply(messages, tools)
+        return self._apply(messages, tools, ending or ChatEnding())
 
     def token_ids(
         self,
         messages: list[dict[str, Any]],
         text: str | None = None,
         tools: list[Any] | None = None,
+        ending: ChatEnding | None = None,
     ) -> list[int]:
-        """Token ids of the rendered conversation (`text`, if already rendered)."""
-        messages = check_messages(messages)
+        """Token ids of the rendered conversation (`text`, if already rendered the same way)."""
+        messages = check_messages(messages, self.template_roles)
+        ending = ending or ChatEnding()
         if text is None:
-            text = self.render(messages, tools)
+            text = self.render(messages, tools, ending)
         if self._special_re is None:  # no special tokens at all: nothing to forge
             return self.tokenizer.encode(text, add_special_tokens=False)
         self._refuse_special_in_structure(messages, tools)
-        spans = self._content_spans(messages, text, tools)
+        spans = self._content_spans(messages, text, tools, ending)
         if spans is None or self._text_backend is None:
             # The template rewrites the content, or the tokenizer has no offsets: content with a
             # special-token string is refused rather than guessed at.
@@ -86,15 +122,34 @@ class ChatTokenizer:
             return list(ids)
         return self._piecewise(text, spans)
 
-    def _apply(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    def _apply(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, ending: ChatEnding
+    ) -> str:
+        if ending.continue_final_message and messages[-1]["role"] != "assistant":
+            raise ValueError(
+                "messages: continue_final_message needs an assistant message last, to continue"
+            )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=ending.add_generation_prompt,
+                continue_final_message=ending.continue_final_message,
             )
         except (TemplateError, TypeError) as exc:
             # The template's own refusals (raise_exception) and values it cannot render are
             # the request's fault: a 400 naming them, never a 500.
             raise ValueError(f"messages: the chat template refused them: {exc}") from None
+        except ValueError as exc:
+            if not ending.continue_final_message:
+                raise ValueError(f"messages: the chat template refused them: {exc}") from None
+            # transformers' own, for a final message the template does not render verbatim: its
+            # text quotes the whole conversation, which is no message for a client.
+            raise ValueError(
+                "messages: the chat template does not render the final message as it is, so "
+                "it cannot be continued"
+            ) from None
 
     def _refuse_special_in_structure(
         self, messages: list[dict[str, Any]], tools: list[Any] | None
@@ -112,14 +167,20 @@ class ChatTokenizer:
                 )
 
     def _content_spans(
-        self, messages: list[dict[str, Any]], text: str, tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        tools: list[Any] | None,
+        ending: ChatEnding,
     ) -> list[tuple[int, int]] | None:
         """Where each message's content lies in `text`, found by rendering placeholders in its
         place; None if the template does not put each content in verbatim, once."""
         nonce = secrets.token_hex(8)
         holders = [f"\ue000{nonce}.{i}\ue001" for i in range(len(messages))]
         skeleton = self._apply(
-            [{**message, "content": holder} for message, holder in zip(messages, holders)], tools
+            [{**message, "content": holder} for message, holder in zip(messages, holders)],
+            tools,
+            ending,
         )
         found = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
         spans, pieces, last, shift = [], [], 0, 0
@@ -161,8 +222,11 @@ class ChatTokenizer:
         return self._text_backend.encode(text, add_special_tokens=False).ids
 
 
-def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """A conversation as the template sees it: role and string content only; raises ValueError."""
+def check_messages(
+    messages: Any, template_roles: frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
+    """A conversation as the template sees it: role and string content only; raises ValueError.
+    `developer` and `function` become the roles they stand for unless in `template_roles`."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
     checked = []
@@ -170,8 +234,11 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"messages: message {i} must be an object with 'role' and 'content'")
         role, content = message["role"], message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"messages: message {i} has role {role!r}; allowed: {list(ROLES)}")
+        if role in STANDS_FOR and role not in template_roles:
+            role = STANDS_FOR[role]
+        if role not in ROLES and role not in template_roles:
+            allowed = [*ROLES, *STANDS_FOR]
+            raise ValueError(f"messages: message {i} has role {role!r}; allowed: {allowed}")
         if content is None:
             content = ""
         if not isinstance(content, str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedray.engine.chat_tokens import ChatTokenizer
+from pagedray.engine.chat_tokens import ChatEnding, ChatTokenizer
 from pagedray.engine.prompt_bound import chars_per_token
 from pagedray.engine.unicode_text import has_lone_surrogate
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -176,17 +176,20 @@ class PromptValidator:
         )
 
     def chat_prompt_token_ids(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None = None,
+        ending: ChatEnding | None = None,
     ) -> list[int]:
         """Render a conversation (and its `tools`) with the chat template and tokenize it,
         content as text.
 
-        Roles are system/user/assistant/tool and contents strings; a special-token string in a
-        content is tokenized as text, never as the control token it spells.
+        Roles are OpenAI's (engine/chat_tokens.py) and contents strings; a special-token string
+        in a content is tokenized as text, never as the control token it spells.
         """
-        text = self.chat.render(messages, tools)
+        text = self.chat.render(messages, tools, ending)
         self.check_length("messages", text)
-        return self.chat.token_ids(messages, text, tools)
+        return self.chat.token_ids(messages, text, tools, ending)
 
 
 def _is_token_id(value: Any) -> bool:

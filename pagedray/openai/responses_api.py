@@ -262,8 +262,7 @@ def _input_messages(input_items: str | list[Any]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in input_items:
         if isinstance(item, InputMessage):
-            role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": _chat_content(item.content)})
+            messages.append({"role": item.role, "content": _chat_content(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = chat_tool_call(item.call_id, item.name, item.arguments)
             # A call joins the assistant turn before it: the calls of one turn (and the text

@@ -202,6 +202,36 @@ def test_a_template_that_rewrites_content_refuses_markers(tokenizer: Any) -> Non
         validator.chat_prompt_token_ids([{"role": "user", "content": f" {INJECTED} "}])
 
 
+@pytest.mark.parametrize(("role", "stands_for"), [("developer", "system"), ("function", "tool")])
+def test_openai_roles_a_template_lacks_render_as_theirs(
+    validator: PromptValidator, tokenizer: Any, role: str, stands_for: str
+) -> None:
+    def conversation(first: str) -> list[dict[str, str]]:
+        return [
+            {"role": first, "content": "Be brief.", "name": "f"},
+            {"role": "user", "content": "Hi"},
+        ]
+
+    assert validator.chat_prompt_token_ids(conversation(role)) == validator.chat_prompt_token_ids(
+        conversation(stands_for)
+    )
+
+
+def test_a_template_that_knows_developer_renders_it(tokenizer: Any) -> None:
+    knowing = copy.deepcopy(tokenizer)
+    knowing.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'developer' %}<|im_start|>dev\n"
+        "{% else %}<|im_start|>{{ m['role'] }}\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"
+    )
+    chat = ChatTokenizer(knowing)
+    assert chat.template_roles == {"developer"}
+    rendered = chat.render(
+        [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}]
+    )
+    assert rendered.startswith("<|im_start|>dev\nx<|im_end|>")
+
+
 @pytest.mark.parametrize(
     "messages",
     [

@@ -103,7 +103,7 @@ def test_input_items_become_chat_messages() -> None:
     )  # fmt: skip
     messages = to_chat_body(request, None)["messages"]
     assert messages == [
-        {"role": "system", "content": "Use tools."},
+        {"role": "developer", "content": "Use tools."},  # the chat template decides how it renders
         {"role": "user", "content": [{"type": "text", "text": "a"}]},
         {
             "role": "assistant",
