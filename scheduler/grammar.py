@@ -88,8 +88,11 @@ class RequestGrammar:
         assert self.matcher is not None
         if self.matcher.consume_tokens(token_ids):
             return True
-        # NOTE: llguidance's own message dumps the parser state and grammar: a log, not a reply.
-        logger.error("grammar rejected sampled tokens %s: %s", token_ids, self.matcher.get_error())
+        # NOTE: llguidance's message is its reason on the first line, then the parser's state and
+        # the whole grammar (some 20 lines): the reason is the error, the rest is for debugging.
+        reason, _, state = self.matcher.get_error().partition("\n")
+        logger.error("grammar rejected sampled tokens %s: %s", token_ids, reason)
+        logger.debug("grammar state at the rejection: %s", state)
         return False
 
     def cancel(self) -> None:

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pagedray.scheduler.json_schema_termination import endless_reference
+
 # Bounds on what a client can make the grammar engine do; llguidance also bounds the lexer and
 # parser work per token (its `LLParserLimits` defaults).
 MAX_SPEC_CHARS = 1_000_000
@@ -123,6 +125,12 @@ def _compile(key: tuple[str, str]) -> str:
         raise ValueError(f"{field}: longer than {MAX_SPEC_CHARS} characters")
     if kind == "json":
         options = json.loads(text)
+        endless = endless_reference(options["schema"])
+        if endless is not None:
+            raise ValueError(
+                f"{field}: the schema admits no finite value: it refers to itself through "
+                f"{endless!r} with no way to end"
+            )
         try:
             grammar = LLMatcher.grammar_from_json_schema(
                 options["schema"], defaults=options["defaults"]
