@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from pagedray.engine.chat_tokens import ChatEnding
 from pagedray.openai.constraints import (
     ConstraintFields,
     DeltaToolCall,
@@ -203,8 +204,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    # As the chat template renders them; any other string could forge a turn.
-    role: Literal["system", "user", "assistant", "tool"]
+    # OpenAI's roles (`developer` and `function` render as the system and tool roles unless the
+    # chat template knows them: engine/chat_tokens.py); any other string could forge a turn.
+    role: Literal["developer", "system", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -222,7 +224,19 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or "", **extra}
 
 
-class ChatCompletionRequest(_GenerationRequest, ToolFields):
+class _ChatEndingFields(BaseModel):
+    """vLLM's fields for how a rendered conversation ends: the assistant's turn opened, or the
+    final assistant message continued (a prefill; `engine/chat_tokens.ChatEnding`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def chat_ending(self) -> ChatEnding:
+        """Raises ValueError "continue_final_message: ..." for both set."""
+        return ChatEnding(self.add_generation_prompt, self.continue_final_message)
+
+
+class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = _bounded(None, **_COUNT)
     max_completion_tokens: int | None = _bounded(None, **_COUNT)
@@ -233,6 +247,16 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        # Checked here too, not only by `SamplingParams`, which knows them by other names
+        # (`logprobs`, `max_tokens`): the error names the field the client sent.
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(
+                f"max_completion_tokens: must be at least 1, got {self.max_completion_tokens}"
+            )
         return self
 
     def to_sampling_params(self) -> SamplingParams:
@@ -244,7 +268,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
         return self._sampling_params(max_tokens, logprobs, None, forced or constraint)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatEndingFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
