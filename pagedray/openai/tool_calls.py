@@ -19,6 +19,7 @@ from pagedray.openai.tool_parsers import (
     ToolCallParser,
     ToolCallStreamer,
     content_or_none,
+    new_call_id,
     tool_parser_for,
 )
 
@@ -52,8 +53,8 @@ class ToolCallOutput:
         else:
             try:
                 calls, content = constrained_tool_calls(text, self.tools, self.tool_choice), None
-            except ValueError:  # cut short (max_tokens): what there is goes back as text
-                return text, None, finish_reason
+            except ValueError:  # cut short (max_tokens): the partial calls, as when streamed
+                return None, self._partial_calls(text), finish_reason
         if not calls:
             return content_or_none(text) if self.parser else text, None, finish_reason
         return content, [_call(c) for c in calls], self.finish_reason(finish_reason)
@@ -66,7 +67,25 @@ class ToolCallOutput:
     def streamer(self) -> ChoiceToolStream:
         if self.parser is not None:
             return ChoiceToolStream(self, self.parser.streamer())
-        return ChoiceToolStream(self, ConstrainedToolCallStreamer(self.tool_choice))
+        names = [tool["function"]["name"] for tool in self.tools]
+        return ChoiceToolStream(self, ConstrainedToolCallStreamer(self.tool_choice, names))
+
+    def _partial_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls of forced output cut short, exactly as its stream would send them: each
+        with the arguments written so far (OpenAI's shape for `finish_reason: "length"`)."""
+        _, deltas = self.streamer().feed(text, finished=True)
+        calls: dict[int, ToolCall] = {}
+        for delta in deltas or []:
+            function = delta.function
+            if delta.index not in calls:
+                name = function.name if function is not None else None
+                call_id = delta.id or new_call_id()
+                calls[delta.index] = ToolCall(
+                    id=call_id, function=FunctionCall(name=name or "", arguments="")
+                )
+            if function is not None and function.arguments:
+                calls[delta.index].function.arguments += function.arguments
+        return [calls[index] for index in sorted(calls)] or None
 
 
 @dataclass

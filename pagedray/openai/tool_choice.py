@@ -20,6 +20,8 @@ from pagedray.openai.tool_parsers import (
     new_call_id,
 )
 
+# The "name" string of a call object, cut off before its closing quote.
+_PARTIAL_NAME = re.compile(r'"name"\s*:\s*"([a-zA-Z0-9_-]*)$')
 # OpenAI's rule for function names.
 DEFINITION_KEYS = ("$defs", "definitions")
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -176,13 +178,16 @@ class ConstrainedToolCallStreamer:
 
     No content is ever sent while calls are forced. A named function's call goes out with the
     first piece of text, which is all arguments; "required" items go out as CallObjectStream
-    reads them: id and name first, then the parameters as they arrive.
+    reads them: id and name first, then the parameters as they arrive. Output cut short
+    (max_tokens) keeps the partial call it holds, as OpenAI returns one: `finish` sends the
+    first call even before its name was written out, when the grammar left one tool it can be.
     """
 
-    def __init__(self, tool_choice: Any) -> None:
+    def __init__(self, tool_choice: Any, tool_names: list[str] | None = None) -> None:
         kind, self._name = _choice(tool_choice)
         if kind not in ("named", "required"):
             raise ValueError(f"tool_choice: {kind!r} does not constrain the output")
+        self._tool_names = list(tool_names or [])
         self._started = False  # the named call's id and name have been sent
         self._state = "start"  # required: start (before "["), array, done (after "]")
         self._call: CallObjectStream | None = None
@@ -202,8 +207,24 @@ class ConstrainedToolCallStreamer:
         return out
 
     def finish(self) -> StreamedDelta:
-        """Nothing is held back: an item cut short keeps what it sent."""
-        return StreamedDelta()
+        """Nothing is held back: an item cut short keeps what it sent. A "required" output cut
+        before its first call's name was complete still names that call, if the grammar allowed
+        one tool only (the ones whose names start as the partial name does)."""
+        out = StreamedDelta()
+        if self._name is not None:  # the call is known from the start, written or not
+            if not self._started:
+                self._started = True
+                out.tool_calls.append(ToolCallDelta(0, new_call_id(), self._name))
+            return out
+        started = self._call is not None and self._call.committed
+        if self._index > 0 or started or self._state == "done":
+            return out
+        partial = _PARTIAL_NAME.search(self._call.text) if self._call is not None else None
+        prefix = partial.group(1) if partial else ""
+        candidates = [name for name in self._tool_names if name.startswith(prefix)]
+        if len(candidates) == 1:
+            out.tool_calls.append(ToolCallDelta(0, new_call_id(), candidates[0]))
+        return out
 
     def _advance(self, text: str, out: StreamedDelta) -> str:
         """Consumes some of `text` for the "required" array; returns the rest."""

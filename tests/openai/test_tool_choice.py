@@ -262,3 +262,55 @@ def test_constrained_streamer_required(
     whole = constrained_tool_calls(text, TOOLS, "required")
     assert [(name, json.loads(args)) for _, name, args in streamed] == calls
     assert [(call.name, json.loads(call.arguments)) for call in whole] == calls
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    calls=st.lists(st.tuples(st.sampled_from(["get_weather", "now"]), _ARGS), min_size=1),
+    named=st.booleans(),
+    data=st.data(),
+)
+def test_forced_output_cut_short_is_one_shape_whole_and_streamed(
+    calls: list[tuple[str, Any]], named: bool, data: st.DataObject
+) -> None:
+    """max_tokens cuts a forced output anywhere: whole or streamed, the partial calls come back
+    as tool calls (never as content) with the arguments written so far."""
+    from pagedray.openai.tool_calls import ToolCallOutput
+
+    choice = NAMED if named else "required"
+    items = [{"name": name, "parameters": args} for name, args in calls]
+    text = json.dumps(calls[0][1] if named else items)
+    cut = text[: data.draw(st.integers(0, len(text) - 1))]
+    output = ToolCallOutput.of(TOOLS, choice, "auto", None)
+    assert output is not None
+    content, whole, finish_reason = output.extract(cut, "length")
+    stream = output.streamer()
+    streamed_content, deltas = stream.feed(cut, finished=True)
+    assert content is None and streamed_content is None and finish_reason == "length"
+    joined: dict[int, list[str]] = {}
+    for delta in deltas or []:
+        entry = joined.setdefault(delta.index, ["", ""])
+        entry[0] += (delta.function.name or "") if delta.function else ""
+        entry[1] += (delta.function.arguments or "") if delta.function else ""
+    assert [[c.function.name, c.function.arguments] for c in whole or []] == list(joined.values())
+    assert stream.finish_reason("length") == "length"
+    if named:  # the call is known from the first token: its arguments are the text so far
+        assert [(c.function.name, c.function.arguments) for c in whole or []] == [
+            ("get_weather", cut)
+        ]
+
+
+def test_a_required_call_cut_before_its_name_is_named_when_one_tool_fits() -> None:
+    from pagedray.openai.tool_calls import ToolCallOutput
+
+    one = ToolCallOutput.of([WEATHER], "required", "auto", None)
+    two = ToolCallOutput.of(TOOLS, "required", "auto", None)
+    assert one is not None and two is not None
+    for cut in ("", "[", '[{"na', '[{"name": "ge'):
+        _, calls, _ = one.extract(cut, "length")
+        assert [(c.function.name, c.function.arguments) for c in calls or []] == [
+            ("get_weather", "")
+        ]
+    _, calls, _ = two.extract('[{"name": "n', "length")  # only "now" starts so
+    assert [c.function.name for c in calls or []] == ["now"]
+    assert two.extract('[{"name": "', "length")[1] is None  # either tool: nothing to tell
