@@ -5,10 +5,17 @@ One ASGI middleware, so nothing reaches a route (the docs and the OpenAPI schema
 without the API key, no body larger than the limit is ever held (413 from Content-Length, or
 while a chunked body is read), and an exception no route handled is a 500 in OpenAI's error
 shape carrying a request id, never a traceback (that goes to the log, under the same id).
+
+A refusal that comes while the client is still sending its body is sent at once, and then the
+rest of the body is read and dropped before the connection closes (nginx's lingering close,
+bounded in bytes and time): a server that answered and closed at once would leave unread bytes
+behind, which makes the kernel reset the connection, and a client that sends its whole body
+before it reads (http.client, httpx, the SDKs) would see the reset, never the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
@@ -26,6 +33,10 @@ from pagedray.openai.serving import error_response
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# How much of a refused body is read and dropped, and for how long, before the answer goes out
+# anyway (and the connection is closed): enough for a client's honest mistake, bounded for abuse.
+LINGER_MAX_BYTES = 64 * 1024 * 1024
+LINGER_MAX_S = 10.0
 # Answered without the API key: what a load balancer probes, and (as vLLM does) the metrics.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -91,14 +102,17 @@ class IngressGuard:
             return
         settings = self.settings_of()
         refusal = self._refusal(scope, settings)
-        if refusal is None and scope.get("method") in _BODY_METHODS:
+        body_pending = scope.get("method") in _BODY_METHODS
+        if refusal is None and body_pending:
             body, refusal = await _read_body(receive, settings.max_request_body_bytes)
             if body is None and refusal is None:  # the client went away
                 return
+            body_pending = body is None
             receive = _replay(body or b"", receive)
         if refusal is not None:
             self._label_route(scope)
-            await refusal(scope, receive, send)
+            lingering = body_pending and _header(scope, b"expect") != "100-continue"
+            await _refuse(refusal, lingering, scope, receive, send)
             return
         await self._guarded(scope, receive, send)
 
@@ -173,6 +187,51 @@ async def _read_body(receive: Receive, limit: int) -> tuple[bytes | None, Any]:
             return b"".join(chunks), None
 
 
+async def _refuse(
+    refusal: Any, body_on_its_way: bool, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Send `refusal`; when the client may still be sending its body, read and drop the rest
+    before the response ends (the connection then closes). A client that asked to be told
+    before it sends (Expect: 100-continue) sends nothing once refused: nothing to wait for."""
+    if not body_on_its_way:
+        await refusal(scope, receive, send)
+        return
+    refusal.headers["Connection"] = "close"  # what is left of the body is not read as a request
+    await send(
+        {
+            "type": "http.response.start",
+            "status": refusal.status_code,
+            "headers": refusal.raw_headers,
+        }
+    )
+    # NOTE: the whole answer goes out now (its Content-Length says where it ends); the response
+    # stays open only so that the server goes on reading the body, which it stops doing once a
+    # response has ended.
+    await send({"type": "http.response.body", "body": refusal.body, "more_body": True})
+    await _drain(receive)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drain(receive: Receive) -> bool:
+    """Read and drop the rest of a request body; True if it ended within `LINGER_MAX_BYTES`
+    and `LINGER_MAX_S` (the connection is then clean), False if it did not or the client left.
+    Only one chunk is held at a time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_MAX_S
+    dropped = 0
+    while dropped <= LINGER_MAX_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
+        except asyncio.TimeoutError:
+            return False
+        if message["type"] == "http.disconnect":
+            return False
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return False
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A receive that gives the body read already, then the client's own messages."""
     delivered = False
@@ -193,10 +252,12 @@ def _too_large(limit: int) -> Any:
 
 
 def _has_key(scope: Scope, digest: str) -> bool:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
     scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return secrets.compare_digest(api_key_digest(token.strip()), digest)
+    if scheme.lower() == "bearer":
+        return secrets.compare_digest(api_key_digest(token.strip()), digest)
+    key = _header(scope, b"x-api-key")
+    return key is not None and secrets.compare_digest(api_key_digest(key.strip()), digest)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -18,7 +18,7 @@ from pagedray.openai.protocol import (
     TokenizeRequest,
 )
 from pagedray.openai.request_body import parse_json_body
-from pagedray.openai.tool_choice import tools_for_template
+from pagedray.openai.tool_choice import check_tools, tools_for_template
 from pagedray.scheduler.sampling_params import SamplingParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -53,9 +53,7 @@ def chat_prompt(
 ) -> tuple[SamplingParams, ValidatedPrompt]:
     """Sampling parameters and the conversation's validated prompt (content read as text)."""
     params = body.to_sampling_params()
-    messages = [message.as_template_input() for message in body.messages]
-    tools = tools_for_template(body.tool_dicts()) or None
-    token_ids = validator.chat_prompt_token_ids(messages, tools)
+    token_ids = chat_token_ids(validator, body)
     prompt = validator.validate(
         {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params
     )
@@ -65,17 +63,38 @@ def chat_prompt(
     return params, prompt
 
 
+def chat_token_ids(validator: PromptValidator, body: ChatCompletionRequest) -> list[int]:
+    """The conversation's token ids, its tools rendered by the chat template (what Anthropic's
+    `count_tokens` counts too)."""
+    messages = [message.as_template_input() for message in body.messages]
+    tools = tools_for_template(body.tool_dicts()) or None
+    return validator.chat_prompt_token_ids(messages, tools, body.chat_ending())
+
+
+def count_chat_tokens(validator: PromptValidator, body: ChatCompletionRequest) -> int:
+    """How many tokens the conversation and its tools take, checked as a chat request's are."""
+    check_tools(body.tool_dicts(), body.tool_choice_value(), body.parallel_tool_calls)
+    return len(chat_token_ids(validator, body))
+
+
 def tokenize(validator: PromptValidator, body: TokenizeRequest) -> list[int]:
-    """Token ids of a prompt or a conversation; not refused for being too long (the body limit
-    bounds it), so a client can learn how long it is."""
+    """Token ids of a prompt or a conversation. A text too long to fit `max_model_len` whatever
+    it tokenizes to is refused unread, as the generation routes refuse it; one that fits that
+    bound is tokenized even past `max_model_len`, so a client can learn how long it is."""
     if body.messages is not None:
-        return validator.chat.token_ids([m.as_template_input() for m in body.messages])
+        messages = [m.as_template_input() for m in body.messages]
+        return validator.chat_prompt_token_ids(messages, None, body.chat_ending())
     assert body.prompt is not None
-    return validator.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return validator.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
 
 def detokenize(validator: PromptValidator, body: DetokenizeRequest) -> str:
-    """The text of token ids, each checked against the vocabulary."""
+    """The text of token ids, each checked against the vocabulary; no more of them than a
+    sequence can hold (`max_model_len`), as the other routes bound what they tokenize."""
+    if len(body.tokens) > validator.max_model_len:
+        raise ValueError(
+            f"tokens: {len(body.tokens)} tokens exceed max_model_len={validator.max_model_len}"
+        )
     vocab_size = validator.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:

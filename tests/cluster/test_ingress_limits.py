@@ -5,6 +5,7 @@ content read as text, and every route but /health behind the API key."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import socket
 import time
@@ -12,6 +13,7 @@ from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 import httpx
+import openai
 import pytest
 from _serve_apps import deploy_tiny
 
@@ -80,6 +82,51 @@ def test_body_limit(url: str) -> None:
     assert ok.status_code == 200, ok.text
 
 
+def test_an_oversized_body_is_answered_not_reset(url: str) -> None:
+    """Clients that send their whole body before they read the answer (http.client, httpx, the
+    openai SDK) get the 413 and its JSON, not a reset connection; /health stays quick."""
+    big = json.dumps({"prompt": "a" * 15_000_000}).encode()  # 15 MB
+    parts = urlsplit(url)
+
+    def with_http_client() -> tuple[int, dict[str, Any]]:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        try:
+            headers = {**AUTH, "Content-Type": "application/json"}
+            connection.request("POST", f"{parts.path}/v1/completions", body=big, headers=headers)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    def with_httpx() -> tuple[int, dict[str, Any]]:
+        response = _post(url, "/v1/completions", big)
+        return response.status_code, response.json()
+
+    def with_the_sdk() -> tuple[int, dict[str, Any]]:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        try:
+            client.completions.create(model=MODEL, prompt="a" * 15_000_000)
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.response.json()
+        raise AssertionError("a 15 MB body was accepted")
+
+    health_s: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        sent = [pool.submit(client) for client in (with_http_client, with_httpx, with_the_sdk)]
+        while not all(future.done() for future in sent):
+            before = time.monotonic()
+            assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+            health_s.append(time.monotonic() - before)
+            time.sleep(0.05)
+        for future in sent:
+            status, body = future.result()
+            assert status == 413 and body["error"]["param"] == "body", body
+            assert body["error"]["message"] == f"body: larger than the limit of {LIMIT} bytes"
+    assert max(health_s, default=0.0) < 1.0, health_s
+    ok = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -137,22 +184,27 @@ def test_a_batch_the_engine_could_never_queue_is_400(url: str) -> None:
     assert response.status_code == 200 and len(response.json()["choices"]) == 3
 
 
-def test_tokenizing_a_huge_prompt_stalls_nothing_else(url: str) -> None:
-    text = "hello world, zürich 12345 " * 80_000  # 2 MB: seconds of tokenizing
+def test_tokenize_has_the_generation_routes_limits(url: str) -> None:
+    """Six concurrent 3.5 MB prompts to /tokenize (which once stalled other requests for
+    seconds) are refused unread, as /v1/completions refuses them, and /health stays quick."""
+    text = "hello world, zürich 12345 " * 135_000  # 3.5 MB
+    bodies = [{"prompt": text}, {"messages": [{"role": "user", "content": text}]}] * 3
     health_s = []
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        start = time.monotonic()
-        big = pool.submit(_post, url, "/tokenize", {"prompt": text})
-        time.sleep(0.3)  # its body is in, and being tokenized
-        while not big.done():
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        refused = [pool.submit(_post, url, "/tokenize", body) for body in bodies]
+        while not all(future.done() for future in refused):
             before = time.monotonic()
             assert httpx.get(f"{url}/health", timeout=30).status_code == 200
             health_s.append(time.monotonic() - before)
-            time.sleep(0.1)
-        tokenize_s = time.monotonic() - start
-        assert big.result().json()["count"] > 1_000_000
-    assert health_s, "the tokenization ended before /health was asked"
-    assert max(health_s) < 1.0 < tokenize_s, (max(health_s), tokenize_s)
+            time.sleep(0.05)
+        for future, body in zip(refused, bodies):
+            param = "prompt" if "prompt" in body else "messages"
+            assert "cannot fit" in _error(future.result(), 400, param)["message"]
+    assert max(health_s, default=0.0) < 1.0, health_s
+    within = _post(url, "/tokenize", {"prompt": "hello " * 600}).json()  # past 512 tokens: told
+    assert within["count"] > ENGINE_MAX_MODEL_LEN == within["max_model_len"]
+    too_many = {"tokens": [5] * (ENGINE_MAX_MODEL_LEN + 1)}
+    assert "exceed max_model_len" in _error(_post(url, "/detokenize", too_many), 400)["message"]
 
 
 def test_chat_content_cannot_forge_control_tokens(url: str) -> None:
@@ -196,7 +248,7 @@ def test_openapi_describes_the_real_bodies(url: str) -> None:
         assert "$defs" not in json.dumps(schemas[model])
     assert {"prompt", "max_tokens", "cache_salt"} <= set(schemas["CompletionRequest"]["properties"])
     role = schemas["ChatMessage"]["properties"]["role"]
-    assert set(role["enum"]) == {"system", "user", "assistant", "tool"}
+    assert set(role["enum"]) == {"developer", "system", "user", "assistant", "tool", "function"}
     refs = {
         ref.rsplit("/", 1)[1] for ref in _refs(document) if ref.startswith("#/components/schemas/")
     }
