@@ -41,7 +41,7 @@ GRAMMAR_BUCKETS = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0
 # The ingress's series exported as 0 before the first request: each generation route with each
 # status the ingress answers it with (ok, bad request, bad API key, unknown model, engine error,
 # engine overloaded or dead).
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 HTTP_STATUSES = ("200", "400", "401", "404", "500", "503")
 
 
@@ -53,7 +53,7 @@ class EngineMetrics:
     about a microsecond, and runs beside the next step.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, export_zeros: bool = True) -> None:
         self.model_name = model_name
         tags = {"model_name": model_name}
 
@@ -127,14 +127,21 @@ class EngineMetrics:
             GRAMMAR_BUCKETS,
         )
         self._last_totals = dict.fromkeys(_CUMULATIVE_STATS, 0.0)
-        for metric in vars(self).values():
-            tagged = (self.request_success, self.structured_output_requests)
-            if isinstance(metric, Counter) and all(metric is not t for t in tagged):
-                _export_zero(metric)
-        for kind in CONSTRAINT_KINDS:
-            _export_zero(self.structured_output_requests, {"kind": kind})
-        for reason in FINISHED_REASONS:
-            _export_zero(self.request_success, {"finished_reason": reason})
+        if export_zeros:
+            _export_zeros(self.zero_series())
+
+    def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
+        """The counters' series that exist at 0 before anything is counted (tags beyond the
+        model name)."""
+        tagged = (self.request_success, self.structured_output_requests)
+        series = [
+            (metric, {})
+            for metric in vars(self).values()
+            if isinstance(metric, Counter) and all(metric is not t for t in tagged)
+        ]
+        series += [(self.structured_output_requests, {"kind": k}) for k in CONSTRAINT_KINDS]
+        series += [(self.request_success, {"finished_reason": r}) for r in FINISHED_REASONS]
+        return series
 
     def record_stats(self, stats: dict[str, float]) -> None:
         """Gauges from a scheduler stats snapshot; its cumulative counts become counter deltas."""
@@ -208,7 +215,7 @@ class IngressMetrics:
     `HTTPMetricsMiddleware` records them, so every route and every status is covered.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, export_zeros: bool = True) -> None:
         self.model_name = model_name
         tags = {"model_name": model_name}
         self.http_requests = Counter(
@@ -223,9 +230,17 @@ class IngressMetrics:
             TTFT_BUCKETS,
             TAG_KEYS + ("route",),
         ).set_default_tags(tags)
-        for route in GENERATION_ROUTES:
-            for status in HTTP_STATUSES:
-                _export_zero(self.http_requests, {"route": route, "status": status})
+        if export_zeros:
+            _export_zeros(self.zero_series())
+
+    def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
+        """The series that exist at 0 before the first request: each generation route with
+        each status it is answered with."""
+        return [
+            (self.http_requests, {"route": route, "status": status})
+            for route in GENERATION_ROUTES
+            for status in HTTP_STATUSES
+        ]
 
     def record(self, route: str, status: int, latency: float) -> None:
         """One answered request: its route template, HTTP status and seconds to answer."""
@@ -248,7 +263,7 @@ class RouterMetrics:
     routing, or no routing hashes yet).
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, export_zeros: bool = True) -> None:
         tags = {"model_name": model_name}
         self.routed_requests = Counter(
             "pagedray_routed_requests",
@@ -261,6 +276,12 @@ class RouterMetrics:
             MATCHED_BLOCKS_BUCKETS,
             TAG_KEYS,
         ).set_default_tags(tags)
+        if export_zeros:
+            _export_zeros(self.zero_series())
+
+    def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
+        """None: its counter's series name replicas, which are not known in advance."""
+        return []
 
     def record(self, replica: str, reason: str, matched_blocks: int | None) -> None:
         """One routed call; `matched_blocks` None when the router had no prefix to match."""
@@ -283,8 +304,19 @@ def _prometheus_names(metrics: EngineMetrics | IngressMetrics | RouterMetrics) -
     return names
 
 
-def _export_zero(counter: Counter, tags: dict[str, str] | None = None) -> None:
+def _export_zeros(series: list[tuple[Counter, dict[str, str]]]) -> None:
     # NOTE: Ray exports a series only once something is recorded, and `Counter.inc` refuses 0:
     # without this, a counter that never moved (preemptions) would be absent from Prometheus and
     # its dashboard panel would show "No data" instead of 0.
-    counter._record(0.0, tags)
+    for counter, tags in series:
+        counter._record(0.0, tags or None)
+
+
+def metric_groups(model_name: str) -> list[EngineMetrics | IngressMetrics | RouterMetrics]:
+    """Every pagedray metric's definition, for `model_name`, without recording anything (what
+    /metrics shows at 0 before Ray's first export; `metrics_endpoint.with_zeros`)."""
+    return [
+        EngineMetrics(model_name, export_zeros=False),
+        IngressMetrics(model_name, export_zeros=False),
+        RouterMetrics(model_name, export_zeros=False),
+    ]

@@ -16,8 +16,16 @@ from typing import Any, Iterable
 import httpx
 import ray
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.parser import text_string_to_metric_families
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from pagedray.cluster.metrics import GENERATION_ROUTES, metric_groups
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 
@@ -64,10 +72,10 @@ async def fetch_exports(urls: list[str], timeout_s: float = SCRAPE_TIMEOUT_S) ->
     return [text for text in texts if text is not None]
 
 
-def merge_pagedray_families(texts: Iterable[str]) -> bytes:
+def merge_pagedray_families(texts: Iterable[str], model_name: str) -> bytes:
     """Prometheus text with the `ray_pagedray_*` families of every export: samples of one family
     from several nodes under one HELP and TYPE (Ray's NodeAddress and WorkerId labels keep
-    their series apart)."""
+    their series apart). A family no export holds yet is there at 0 for `model_name`."""
     families: dict[str, Metric] = {}
     for text in texts:
         # Only pagedray's lines are parsed: an export holds some 170 families of Ray's own.
@@ -78,7 +86,53 @@ def merge_pagedray_families(texts: Iterable[str]) -> bytes:
             merged = families.setdefault(family.name, family)
             if merged is not family:
                 merged.samples.extend(family.samples)
+    for family in zero_families(model_name):
+        families.setdefault(family.name, family)
     return generate_latest(_Families(list(families.values())))
+
+
+def zero_families(model_name: str) -> list[Metric]:
+    """Every pagedray family at 0, as a fresh server's would read: Ray exports what the replicas
+    record only every few seconds (10 by default), and a scraper or a client that reads
+    /metrics before that should find the series, not an empty answer (vLLM's exist at once).
+    Counters have the series they are created with (`zero_series`); gauges and histograms one
+    per model name (and per generation route, for the ingress's latency)."""
+    families: list[Metric] = []
+    for group in metric_groups(model_name):
+        zero_tags: dict[str, list[dict[str, str]]] = {}
+        for counter, tags in group.zero_series():
+            zero_tags.setdefault(counter.info["name"], []).append(tags)
+        for metric in vars(group).values():
+            if isinstance(metric, (Counter, Gauge, Histogram)):
+                families.append(_zero_family(metric, model_name, zero_tags))
+    return families
+
+
+def _zero_family(
+    metric: Counter | Gauge | Histogram, model_name: str, zero_tags: dict[str, list[dict[str, str]]]
+) -> Metric:
+    info = metric.info
+    name, keys = "ray_" + info["name"], list(info["tag_keys"])
+    extra = [key for key in keys if key != "model_name"]
+    if isinstance(metric, Counter):
+        family: Metric = CounterMetricFamily(name, info["description"], labels=keys)
+        for tags in zero_tags.get(info["name"], []):
+            family.add_metric([model_name if k == "model_name" else tags[k] for k in keys], 0.0)
+        return family
+    label_sets = [{"route": route} for route in GENERATION_ROUTES] if extra == ["route"] else [{}]
+    if extra and extra != ["route"]:
+        label_sets = []  # series named by values not known in advance
+    if isinstance(metric, Gauge):
+        family = GaugeMetricFamily(name, info["description"], labels=keys)
+        for tags in label_sets:
+            family.add_metric([model_name if k == "model_name" else tags[k] for k in keys], 0.0)
+        return family
+    family = HistogramMetricFamily(name, info["description"], labels=keys)
+    buckets = [(repr(float(b)), 0.0) for b in info["boundaries"]] + [("+Inf", 0.0)]
+    for tags in label_sets:
+        labels = [model_name if k == "model_name" else tags[k] for k in keys]
+        family.add_metric(labels, buckets=buckets, sum_value=0.0)
+    return family
 
 
 def _is_pagedray_line(line: str) -> bool:

@@ -21,6 +21,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from pagedray.cli.serve import add_serve_parser
 from pagedray.cluster.metrics import EngineMetrics, IngressMetrics, RouterMetrics
+from pagedray.cluster.metrics_endpoint import merge_pagedray_families
 from pagedray.engine import async_engine
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
@@ -104,6 +105,28 @@ def test_exported_names_are_the_dashboards() -> None:
     names = _exported_names()
     assert len(set(names)) == len(names)
     assert sorted(names) == sorted(METRIC_NAMES)
+
+
+def test_metrics_before_rays_first_export_are_every_family_at_zero() -> None:
+    """A fresh server's /metrics (Ray exports every 10 s): every family, at 0, not an empty
+    answer; a family Ray exports keeps Ray's samples."""
+    ray_export = (
+        "# HELP ray_node_cpu_count CPUs.\n# TYPE ray_node_cpu_count gauge\nray_node_cpu_count 2.0\n"
+        "# HELP ray_pagedray_num_requests_running Sequences in the running batch.\n"
+        "# TYPE ray_pagedray_num_requests_running gauge\n"
+        'ray_pagedray_num_requests_running{model_name="m",WorkerId="w"} 3.0\n'
+    )
+    text = merge_pagedray_families([ray_export], "m").decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    exposed = {
+        f"{name}_total" if family.type == "counter" else name for name, family in families.items()
+    }
+    assert exposed == set(METRIC_NAMES)
+    assert [s.value for s in families["ray_pagedray_num_requests_running"].samples] == [3.0]
+    success = families["ray_pagedray_request_success"].samples
+    assert {(s.labels["finished_reason"], s.value) for s in success} == {("stop", 0), ("length", 0)}
+    ttft = families["ray_pagedray_time_to_first_token_seconds"].samples
+    assert {s.labels["model_name"] for s in ttft} == {"m"} and all(s.value == 0 for s in ttft)
 
 
 def test_serve_sets_the_metrics_export_port() -> None:
