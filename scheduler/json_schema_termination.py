@@ -15,8 +15,6 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote
 
-_PRIMITIVES = {"null", "boolean", "number", "integer", "string"}
-
 
 def endless_reference(schema: Any) -> str | None:
     """The `$ref` (a JSON pointer) through which `schema` admits no finite value; None when it
@@ -53,8 +51,10 @@ def _finite(node: Any, root: Any, finite: dict[str, bool]) -> bool:
         return True
     types = node.get("type")
     allowed = [types] if isinstance(types, str) else types if isinstance(types, list) else None
-    if allowed is None or any(kind in _PRIMITIVES for kind in allowed):
-        return True  # untyped: a string or a number satisfies its object and array keywords
+    if allowed is None or any(kind not in ("object", "array") for kind in allowed):
+        # Untyped: a string or a number satisfies its object and array keywords. A type it does
+        # not know is llguidance's to refuse, with its own reason.
+        return True
     return ("object" in allowed and _finite_object(node, root, finite)) or (
         "array" in allowed and _finite_array(node, root, finite)
     )
