@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -26,7 +27,7 @@ from pagedray.engine.prompts import PromptValidator, ValidatedPrompt
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.output_subscriber import OutputSubscriber
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
-from pagedray.openai.protocol import ChatCompletionRequest
+from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
 from pagedray.openai.request_body import BodyError
 from pagedray.openai.responses import ResponseContext
 from pagedray.openai.serving import (
@@ -74,6 +75,7 @@ class IngressBase:
             logprobs=self.logprobs,
             num_logprobs=params.logprobs,
             include_usage=body.include_usage,
+            num_prompt_tokens=len(prompt.token_ids),
             tool_calls=ToolCallOutput.of(
                 body.tool_dicts(),
                 body.tool_choice_value(),
@@ -89,6 +91,16 @@ class IngressBase:
         self.validator.max_model_len = self.control.max_model_len
         return self.validator.max_model_len
 
+    async def _model_cards(self) -> list[ModelCard] | Response:
+        """A card per served name (GET /v1/models and /v1/models/{id}), or the 503 while the
+        engines cannot serve."""
+        not_ready = await self.control.not_ready(f"models-{uuid.uuid4().hex}")
+        if not_ready is not None:
+            return not_ready
+        max_model_len = await self._learn_limits()
+        names = self.config.served_names()
+        return [ModelCard(id=n, root=self.config.model, max_model_len=max_model_len) for n in names]
+
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
@@ -102,7 +114,7 @@ class IngressBase:
         except ValidationError as exc:
             return bad_request(exc)
         requested = getattr(body, "model", None)
-        if requested is not None and requested != self.model_name:
+        if requested is not None and requested not in self.config.served_names():
             message = f"model: {requested!r} does not exist; this server has {self.model_name!r}"
             return error_response(404, message, "NotFoundError", param="model")
         return body

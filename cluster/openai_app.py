@@ -23,10 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 # NOTE: the module, not its `KV_VIEWS` (see the NOTE above): by value, the name would carry a
 # copy of the views, not this process's, which the engine router reads.
 from pagedray.cluster import kv_views
+from pagedray.cluster.anthropic_routes import AnthropicRoutes
+from pagedray.cluster.anthropic_routes import router as anthropic_router
 from pagedray.cluster.client_disconnect import ClientDisconnect
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
-from pagedray.cluster.ingress_base import IngressBase
 from pagedray.cluster.metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import (
     CONTENT_TYPE,
@@ -34,14 +35,19 @@ from pagedray.cluster.metrics_endpoint import (
     fetch_exports,
     merge_pagedray_families,
 )
+from pagedray.cluster.serve_bind_fix import install_serve_bind_fix
 from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
 from pagedray.engine.config import EngineConfig
 from pagedray.observability.ray_grafana import provision_for_this_ray_session
+from pagedray.openai.anthropic_api import CountTokensRequest, MessagesRequest
+from pagedray.openai.anthropic_errors import AnthropicErrors
+from pagedray.openai.cors import CORSSettings, ReplicaCORS
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     GuardSettings,
     IngressGuard,
     http_error,
+    route_path,
 )
 from pagedray.openai.output_subscriber import OutputSubscriber
 from pagedray.openai.prompts import (
@@ -108,9 +114,20 @@ def _replica_guard() -> GuardSettings:
     return _replica().guard
 
 
+def _replica_cors() -> CORSSettings:
+    return _replica().cors
+
+
+# Anthropic's routes, from their own module (a base class of the ingress below).
+app.include_router(anthropic_router)
 # Added first, so it runs inside the metrics middleware, which then sees its answers.
 app.add_middleware(IngressGuard, settings_of=_replica_guard, routes=app.router.routes)
+# Around the guard, so its refusals on Anthropic's routes are in Anthropic's shape too.
+app.add_middleware(AnthropicErrors, path_of=route_path)
 app.add_middleware(HTTPMetricsMiddleware, metrics_of=_replica_metrics)
+# Outside the guard and the metrics: it answers a browser's preflight itself (which carries no
+# API key, and is no request of the route it asks about) and adds its headers to every answer.
+app.add_middleware(ReplicaCORS, settings_of=_replica_cors)
 # Outermost, so every reader of the body (the guard included) sees a hang-up as a disconnect.
 app.add_middleware(ClientDisconnect)
 declare_request_models(
@@ -121,6 +138,8 @@ declare_request_models(
         ResponsesRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        MessagesRequest,
+        CountTokensRequest,
     ],
 )
 
@@ -148,7 +167,7 @@ def _response_not_found(response_id: str, param: str) -> Response:
 # global a route uses must already be defined above this point.
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=MAX_ONGOING_REQUESTS)
 @serve.ingress(app)
-class OpenAIIngress(IngressBase):
+class OpenAIIngress(AnthropicRoutes):
     """Tokenizer-side work and protocol; generation goes to the engine deployment.
 
     `api_key_sha256` is the key's SHA-256 (the key itself never reaches Serve's deployment
@@ -162,11 +181,13 @@ class OpenAIIngress(IngressBase):
         api_key_sha256: str | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
         response_store: DeploymentHandle | None = None,
+        cors: CORSSettings | None = None,
     ) -> None:
         # In the replica: transformers and torch come with it; the app's builder needs neither.
         from pagedray.engine.engine_factory import load_tokenizer, make_validator
 
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
+        install_serve_bind_fix()  # before the replica listens on the API port (after this)
         self.engine = engine
         self.response_store = response_store  # the Responses API's, shared by every ingress
         self.config = EngineConfig.model_validate(config)
@@ -180,6 +201,7 @@ class OpenAIIngress(IngressBase):
         self.validator = make_validator(self.config, self.tokenizer, self.control.max_model_len)
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.guard = GuardSettings(api_key_sha256, max_request_body_bytes)
+        self.cors = cors or CORSSettings()
         self.metrics = IngressMetrics(self.model_name)
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedray-tok")
         provision_for_this_ray_session()  # on the head: our dashboard beside Ray's in Grafana
@@ -305,17 +327,22 @@ class OpenAIIngress(IngressBase):
 
     @app.get("/v1/models", responses=responses(ModelList, errors=(401, 503)))
     async def models(self) -> Response:
-        """The served model, with the engine's real max_model_len; 503 until the engine serves
+        """Every served name, with the engine's real max_model_len; 503 until the engine serves
         (clients take a 200 here to mean they may send requests)."""
-        not_ready = await self.control.not_ready(f"models-{uuid.uuid4().hex}")
-        if not_ready is not None:
-            return not_ready
-        card = ModelCard(
-            id=self.model_name,
-            root=self.config.model,
-            max_model_len=await self._learn_limits(),
-        )
-        return _json(ModelList(data=[card]))
+        cards = await self._model_cards()
+        return cards if isinstance(cards, Response) else _json(ModelList(data=cards))
+
+    @app.get("/v1/models/{model_id:path}", responses=responses(ModelCard, errors=(401, 404, 503)))
+    async def retrieve_model(self, model_id: str) -> Response:
+        """One served name's card (the SDK's `models.retrieve`), else OpenAI's 404."""
+        cards = await self._model_cards()
+        if isinstance(cards, Response):
+            return cards
+        card = next((card for card in cards if card.id == model_id), None)
+        if card is None:
+            message = f"model: {model_id!r} does not exist"
+            return error_response(404, message, "NotFoundError", param="model")
+        return _json(card)
 
     @app.post(
         "/tokenize",
@@ -374,7 +401,7 @@ class OpenAIIngress(IngressBase):
         if not texts:
             message = "metrics unavailable: no Ray metrics export answered"
             return error_response(503, message, "ServiceUnavailableError")
-        body = await self._in_thread(merge_pagedray_families, texts)
+        body = await self._in_thread(merge_pagedray_families, texts, self.model_name)
         return Response(body, media_type=CONTENT_TYPE)
 
     # ---- helpers ---------------------------------------------------------------------------

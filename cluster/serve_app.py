@@ -18,6 +18,7 @@ from pagedray.cluster.response_store_deployment import (
     ResponseStoreDeployment,
 )
 from pagedray.engine.config import EngineConfig
+from pagedray.openai.cors import CORSSettings, cors_settings_of
 from pagedray.openai.ingress_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     GuardSettings,
@@ -41,6 +42,10 @@ APP_ARGS = (
     "routing_load_threshold",
     "responses_max_stored",
     "responses_ttl_s",
+    "allowed_origins",
+    "allowed_methods",
+    "allowed_headers",
+    "allow_credentials",
 )
 ROUTINGS = ("cache-aware", "power-of-two")
 
@@ -61,6 +66,7 @@ def build_openai_app(
     routing_load_threshold: int | None = None,
     responses_max_stored: int = DEFAULT_MAX_RESPONSES,
     responses_ttl_s: float = DEFAULT_TTL_S,
+    cors: CORSSettings | None = None,
 ) -> Application:
     """The ingress bound to `num_replicas` engines (or an autoscaled range of them).
 
@@ -73,7 +79,8 @@ def build_openai_app(
     `routing_load_threshold` (default `DEFAULT_LOAD_THRESHOLD`) is how many more ongoing
     requests than the lightest replica's the best-matching one may have and still be chosen.
     The Responses API keeps up to `responses_max_stored` responses for `responses_ttl_s`
-    seconds each, in one `ResponseStore` replica every ingress replica shares.
+    seconds each, in one `ResponseStore` replica every ingress replica shares. `cors` (default:
+    vLLM's, any origin) is what browsers on other origins may do.
     """
     max_engines = (autoscaling_config or {}).get("max_replicas", num_replicas)
     several = max_engines > 1 and config.enable_prefix_caching
@@ -111,7 +118,10 @@ def build_openai_app(
         graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )
     store = ResponseStoreDeployment.bind(max_responses=responses_max_stored, ttl_s=responses_ttl_s)
-    return ingress.bind(engine, config.model_dump(), *astuple(guard), response_store=store)
+    cors = cors or CORSSettings()
+    return ingress.bind(
+        engine, config.model_dump(), *astuple(guard), response_store=store, cors=cors
+    )
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -154,6 +164,7 @@ def build_app(args: dict[str, Any]) -> Application:
         routing_load_threshold=_int_or_none(app_args.get("routing_load_threshold")),
         responses_max_stored=int(app_args.get("responses_max_stored", DEFAULT_MAX_RESPONSES)),
         responses_ttl_s=float(app_args.get("responses_ttl_s", DEFAULT_TTL_S)),
+        cors=cors_settings_of(app_args),
     )
 
 

@@ -18,10 +18,13 @@ from typing import Any
 
 from pagedray.cli.serve_runtime import (
     QuietReconnect,
+    StartupFailed,
+    app_state,
     lean_serve_env,
     proxy_port,
     wait_until_ready,
 )
+from pagedray.cli.vllm_flags import CORS_ARGS, add_cors_args
 from pagedray.workers.cpu_scheduling import serve_under_batch_policy
 from pagedray.workers.cpu_threads import serving_thread_counts
 
@@ -43,7 +46,13 @@ def add_serve_parser(commands: Any) -> None:
 
     parser = commands.add_parser("serve", help="serve the OpenAI API over HTTP with Ray Serve")
     add_engine_args(parser)
-    parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names clients may send as `model`, the first one reported (default: the model "
+        "dir name)",
+    )
     parser.add_argument("--num-replicas", type=int, default=1, help="engines (each a TP group)")
     parser.add_argument(
         "--num-ingress-replicas",
@@ -115,12 +124,14 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help=f"required of clients on every route but /health (default: ${API_KEY_ENV})",
+        help=f"required of clients on every route but /health (default: ${API_KEY_ENV}); one key",
     )
     parser.add_argument(
         "--api-key-file", default=None, help="read the API key from this file (stripped)"
     )
+    add_cors_args(parser)
     parser.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -181,6 +192,7 @@ def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
         "routing": args.routing,
         "routing_load_threshold": args.routing_load_threshold,
         "max_request_body_bytes": args.max_request_body_bytes,
+        **{name: getattr(args, name) for name in CORS_ARGS},
         **_api_key_args(args),
     }
     return {key: value for key, value in app_args.items() if value is not None}
@@ -208,9 +220,11 @@ def _api_key_args(args: argparse.Namespace) -> dict[str, Any]:
     key out of the process's command line."""
     if args.api_key is not None and args.api_key_file is not None:
         raise SystemExit("pagedray: give --api-key or --api-key-file, not both")
+    if args.api_key is not None and len(args.api_key) > 1:  # vLLM takes several
+        raise SystemExit("pagedray: give one --api-key; several keys are not supported")
     if args.api_key_file is not None:
         return {"api_key_file": args.api_key_file}
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    key = args.api_key[0] if args.api_key is not None else os.environ.get(API_KEY_ENV)
     return {"api_key": key} if key else {}
 
 
@@ -221,6 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if local:
         # Refused before anything changes: this process's environment included.
         _check_port_free(args.metrics_export_port, "--metrics-export-port")
+        _check_port_free(args.port, "--port", args.host)
     if local and _is_loopback(args.metrics_host or args.host):
         _keep_ray_on_loopback()
     if local:
@@ -240,10 +255,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedray.tools.default_model import default_model_path
 
     app_args.setdefault("model", str(default_model_path()))
-    # The name clients must send as `model` (also listed by GET /v1/models).
-    model_name = app_args.get("served_model_name") or Path(app_args["model"]).name
+    # The names clients may send as `model` (also listed by GET /v1/models).
+    model_names = app_args.get("served_model_name") or [Path(app_args["model"]).name]
     stop = threading.Event()
-    serving = False
+    serving = failed = False
 
     def on_signal(*_: Any) -> None:
         # Still starting: interrupt that. Serving: the first signal stops gracefully (the
@@ -267,12 +282,13 @@ def run_serve(args: argparse.Namespace) -> int:
         poll_host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
         wait_until_ready(
             f"http://{_url_host(poll_host)}:{args.port}/health",
-            lambda: _app_status(serve),
+            lambda: app_state(serve.status(), APP_NAME),
             args.startup_timeout,
         )
         serving = True
         url = f"http://{_url_host(args.host)}:{args.port}/v1"
-        print(f"pagedray: serving the OpenAI API at {url} (model {model_name!r})", flush=True)
+        names = ", ".join(repr(name) for name in model_names)
+        print(f"pagedray: serving the OpenAI API at {url} (model {names})", flush=True)
         # The ingress writes it where it runs; this covers a head that holds no ingress.
         if (dashboard := provision_for_this_ray_session()) is not None:
             print(f"pagedray: Grafana dashboard for Ray's Grafana: {dashboard}", flush=True)
@@ -280,21 +296,19 @@ def run_serve(args: argparse.Namespace) -> int:
             pass
     except KeyboardInterrupt:
         print("pagedray: interrupted while starting", flush=True)
+    except (StartupFailed, TimeoutError) as exc:  # why, in a line: the Serve logs hold the rest
+        print(f"pagedray: the server did not start: {exc}", flush=True)
+        failed = True
     finally:
         try:
             _shut_down(local)
         except KeyboardInterrupt:  # the second signal: Ray is shut down, the replicas with it
             print("pagedray: stopped without waiting", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _app_status(serve: Any) -> str | None:
-    app = serve.status().applications.get(APP_NAME)
-    return None if app is None else str(app.status)
 
 
 def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
@@ -343,12 +357,15 @@ def _bind_ray_to(host: str) -> dict[str, Any]:
     return {"_node_ip_address": host}
 
 
-def _check_port_free(port: int, flag: str) -> None:
-    """Fail fast: Ray given a busy metrics port only times out starting, 30 s later."""
-    with socket.socket() as sock:
+def _check_port_free(port: int, flag: str, host: str = "") -> None:
+    """Fail fast: Ray given a busy metrics port only times out starting, 30 s later, and Serve
+    given a busy API port retries its ingress replica. With SO_REUSEADDR, as the ingress binds
+    (cluster/serve_bind_fix.py): the connections a stopped server left in TIME_WAIT are no
+    obstacle, something listening is."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("", port))
+            sock.bind((host, port))
         except OSError as exc:
             raise SystemExit(f"pagedray: {flag} {port} is not free ({exc.strerror})") from None
 

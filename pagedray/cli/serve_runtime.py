@@ -15,14 +15,20 @@ looks for new log files every 0.5 s instead of 0.1.
 
 Direct ingress gives each ingress replica a port of its own, with no balancer in front, so it is
 used with exactly one ingress replica; more (`--num-ingress-replicas`) go through the proxy.
+
+A start that cannot succeed says why at once: a replica's failure to start is printed as Serve
+reports it (Serve retries it a few times), and once Serve gives the application up, that cause
+ends the wait, in a line; the traceback stays in the Serve logs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
@@ -38,6 +44,11 @@ METRICS_EXPORT_INTERVAL_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 LOG_MONITOR_FILES_THRESHOLD_ENV = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
 # Seconds between readiness polls while the app starts.
 READY_POLL_S = 0.1
+# Serve's statuses of an application, or a deployment, that will not serve without a redeploy.
+FAILED_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")
+# The line a Python traceback ends with: the exception's (dotted) type and message.
+_EXCEPTION_LINE = re.compile(r"(?:\w+\.)*(\w+(?:Error|Exception|Exit)):\s*(.*)")
+MAX_CAUSE_CHARS = 300
 
 
 def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
@@ -110,26 +121,86 @@ class QuietReconnect(logging.Filter):
         return "Connecting to existing Serve app" not in record.getMessage()
 
 
+class StartupFailed(RuntimeError):
+    """The application cannot start; the message says why, in a line."""
+
+
+@dataclass(frozen=True)
+class AppState:
+    """The application as `serve.status()` shows it while it starts."""
+
+    status: str | None  # Serve's ApplicationStatus value; None: not deployed yet
+    problem: str | None = None  # why a replica failed to start (or the app failed), in a line
+
+
+def app_state(serve_status: Any, app_name: str) -> AppState:
+    """`app_name`'s status in `serve.status()`'s answer, and the first problem its deployments
+    report: a replica that failed to start (Serve retries it), or a failed deployment."""
+    app = serve_status.applications.get(app_name)
+    if app is None:
+        return AppState(None)
+    status = _value(app.status)
+    for name, deployment in app.deployments.items():
+        message = deployment.message or ""
+        if _value(deployment.status) in FAILED_STATUSES or "failed to start" in message:
+            return AppState(status, f"{name}: {_summary(message)}" if message else None)
+    return AppState(status, _summary(app.message) if app.message else None)
+
+
+def _value(status: Any) -> str:
+    # NOTE: Serve's statuses are `str` enums, whose str() is "ApplicationStatus.DEPLOY_FAILED".
+    return str(getattr(status, "value", status))
+
+
+def _summary(message: str) -> str:
+    """A Serve status message as one line: its first sentence, and the exception that ends the
+    traceback it quotes (after "Error:\n", or its first line) as `Type: message`, without the
+    type's module."""
+    head, quoted, error = message.partition("Error:\n")
+    if not quoted:
+        head, _, error = message.partition("\n")
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    for idx in range(len(lines) - 1, -1, -1):
+        match = _EXCEPTION_LINE.fullmatch(lines[idx])
+        if match is not None:
+            name, text = match.groups()
+            text = text or " ".join(lines[idx + 1 : idx + 2])  # a message on the next line
+            head = head.split(". ")[0].strip().rstrip(".:")
+            return f"{head}: {name}: {text}"[:MAX_CAUSE_CHARS]
+    return " ".join(message.split())[:MAX_CAUSE_CHARS]
+
+
+def _print_now(line: str) -> None:
+    print(line, flush=True)
+
+
 def wait_until_ready(
     health_url: str,
-    app_status: Callable[[], str | None],
+    state_of: Callable[[], AppState],
     timeout_s: float,
     get: Callable[[str], Any] | None = None,
+    report: Callable[[str], None] = _print_now,
 ) -> None:
-    """Return once `health_url` answers 200 (every engine can serve); raise if the app's Serve
-    status turns to a failure or `timeout_s` passes first."""
+    """Return once `health_url` answers 200 (every engine can serve). `report` each new problem
+    Serve shows while it retries; raise StartupFailed, with its cause, once the application's
+    status is a failure, and TimeoutError after `timeout_s`."""
     import httpx
 
     get = get or (lambda url: httpx.get(url, timeout=2.0))
     deadline = time.monotonic() + timeout_s
+    reported = None
     while time.monotonic() < deadline:
         try:
             if get(health_url).status_code == 200:
                 return
         except httpx.HTTPError:
             pass  # not listening yet
-        status = app_status()
-        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
-            raise RuntimeError(f"the Serve application is {status}; see the Serve logs")
+        state = state_of()
+        if state.status in FAILED_STATUSES:
+            raise StartupFailed(state.problem or f"the Serve application is {state.status}")
+        if state.problem is not None and state.problem != reported:
+            report(f"pagedray: {state.problem} (Serve retries)")
+            reported = state.problem
         time.sleep(READY_POLL_S)
-    raise TimeoutError(f"the API was not ready within {timeout_s:.0f} s")
+    cause = f"; last problem: {reported}" if reported else ""
+    raise TimeoutError(f"the API was not ready within {timeout_s:.0f} s{cause}")

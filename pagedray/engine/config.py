@@ -7,9 +7,9 @@ returns them and the scheduler is built with them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.workers.worker_config import WorkerConfig
@@ -25,7 +25,9 @@ class EngineConfig(BaseModel):
 
     model: str  # HF checkpoint directory
     tokenizer: str | None = None  # defaults to the model directory
-    served_model_name: str | None = None  # the name clients use; defaults to the directory name
+    # The names clients may send as `model` (vLLM's `--served-model-name a b`); the first is the
+    # one answers and metrics report. One string is one name; None = the directory name.
+    served_model_name: list[str] | None = Field(None, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1)
     block_size: int = Field(16, ge=1, le=256)
     enable_prefix_caching: bool = True
@@ -63,9 +65,22 @@ class EngineConfig(BaseModel):
     # picks by the chat template: <tool_call> blocks (Hermes, Qwen) or Llama 3's JSON calls.
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
 
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        # Serve config files, the Helm chart and `build_app` give one name as a string.
+        if isinstance(value, str):
+            return [value] if value else None
+        return value
+
+    def served_names(self) -> list[str]:
+        """Every name clients may send as `model`, `served_name()` first."""
+        return list(self.served_model_name or [Path(self.model).name])
+
     def served_name(self) -> str:
-        """The name clients send as `model` and every metric's `model_name` tag."""
-        return self.served_model_name or Path(self.model).name
+        """The name answers report as `model` (vLLM's first served name) and every metric's
+        `model_name` tag."""
+        return self.served_names()[0]
 
     def resolved_max_model_len(self) -> int:
         """The model's context limit, lowered by `max_model_len` and any sliding window."""

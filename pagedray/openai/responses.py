@@ -51,6 +51,7 @@ class ResponseContext:
     echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
     echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
     tool_calls: ToolCallOutput | None = None  # chat with tools: how text becomes calls
+    num_prompt_tokens: int = 0  # summed over the prompts, known before any output
     # One timestamp for every chunk of the answer, as OpenAI and vLLM stamp them.
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -8,7 +8,6 @@ usage behave exactly as in chat completions.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -19,7 +18,7 @@ from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.response_objects import ResponseEventStream, build_response, sse_event
 from pagedray.openai.responses import ResponseContext, StreamError, chat_response, choice_deltas
 from pagedray.openai.responses_api import ResponsesRequest, conversation_after, response_reply
-from pagedray.openai.serving import UsageCounter, error_response
+from pagedray.openai.serving import UsageCounter, renamed_fields
 
 # Called with (response, record) once a response is complete and `store` is set.
 Save = Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]]
@@ -123,17 +122,7 @@ CHAT_TO_RESPONSES_FIELDS = {
 
 def in_responses_terms(response: Response) -> Response:
     """A chat route's error response, naming the Responses API's fields instead."""
-    if response.status_code != 400:
-        return response
-    error = json.loads(bytes(response.body))["error"]
-    field = CHAT_TO_RESPONSES_FIELDS.get(error.get("param") or "")
-    if field is None:
-        return response
-    message = error["message"].replace("'max_tokens' or 'max_completion_tokens'", f"'{field}'")
-    for chat_field in CHAT_TO_RESPONSES_FIELDS:
-        if message.startswith(f"{chat_field}:") or message.startswith(f"{chat_field}."):
-            message = field + message[len(chat_field) :]
-    return error_response(400, message, error["type"], param=field)
+    return renamed_fields(response, CHAT_TO_RESPONSES_FIELDS)
 
 
 def _usage(usage: UsageCounter | None) -> dict[str, Any]:

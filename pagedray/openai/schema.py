@@ -34,11 +34,15 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def responses(
-    model: type[BaseModel] | None, stream: bool = False, errors: tuple[int, ...] = tuple(_ERRORS)
+    model: type[BaseModel] | None,
+    stream: bool = False,
+    errors: tuple[int, ...] = tuple(_ERRORS),
+    error_model: type[BaseModel] = ErrorResponse,
 ) -> dict[int | str, dict[str, Any]]:
-    """`responses` for a route answering `model` (and SSE chunks if `stream`) or an error."""
+    """`responses` for a route answering `model` (and SSE chunks if `stream`) or an error in
+    `error_model`'s shape (OpenAI's, unless the route speaks another API)."""
     spec: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in errors
+        status: {"model": error_model, "description": _ERRORS[status]} for status in errors
     }
     if model is not None:
         spec[200] = {"model": model, "description": "success"}

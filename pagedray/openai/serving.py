@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -235,6 +235,22 @@ def _field_of(message: str) -> str | None:
     field, sep, _ = message.partition(": ")
     parts = field.split(".")
     return parts[0] if sep and all(part.isidentifier() for part in parts) else None
+
+
+def renamed_fields(response: Response, fields: dict[str, str]) -> Response:
+    """A chat route's 400, for an API that reaches the chat path under other field names
+    (`fields`: chat's name -> that API's): its `param` and message name the client's field."""
+    if response.status_code != 400:
+        return response
+    error = json.loads(bytes(response.body))["error"]
+    field = fields.get(error.get("param") or "")
+    if field is None:
+        return response
+    message = error["message"].replace("'max_tokens' or 'max_completion_tokens'", f"'{field}'")
+    for chat_field in fields:
+        if message.startswith(f"{chat_field}:") or message.startswith(f"{chat_field}."):
+            message = field + message[len(chat_field) :]
+    return error_response(400, message, error["type"], param=field)
 
 
 def engine_error_response(error: dict[str, Any]) -> JSONResponse:

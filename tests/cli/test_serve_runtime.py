@@ -9,10 +9,21 @@ from typing import Any
 
 import httpx
 import pytest
+from ray.serve.schema import (
+    ApplicationStatus,
+    ApplicationStatusOverview,
+    DeploymentStatus,
+    DeploymentStatusOverview,
+    DeploymentStatusTrigger,
+    ServeStatus,
+)
 
 from pagedray.cli import serve_runtime
 from pagedray.cli.serve_runtime import (
+    AppState,
     QuietReconnect,
+    StartupFailed,
+    app_state,
     lean_serve_env,
     proxy_port,
     wait_until_ready,
@@ -111,17 +122,84 @@ def test_ready_when_health_answers_200() -> None:
             raise answer
         return answer
 
-    wait_until_ready("http://x/health", lambda: "DEPLOYING", 10.0, get=get)
+    wait_until_ready("http://x/health", lambda: AppState("DEPLOYING"), 10.0, get=get)
+
+
+def _unavailable(url: str) -> _Answer:
+    return _Answer(503)
 
 
 def test_a_failed_deployment_is_an_error_not_a_wait() -> None:
-    def unavailable(url: str) -> _Answer:
-        return _Answer(503)
-
-    with pytest.raises(RuntimeError, match="DEPLOY_FAILED"):
-        wait_until_ready("http://x/health", lambda: "DEPLOY_FAILED", 10.0, get=unavailable)
+    with pytest.raises(StartupFailed, match="DEPLOY_FAILED"):
+        failed = AppState("DEPLOY_FAILED")
+        wait_until_ready("http://x/health", lambda: failed, 10.0, get=_unavailable)
     with pytest.raises(TimeoutError):
-        wait_until_ready("http://x/health", lambda: None, 0.3, get=unavailable)
+        wait_until_ready("http://x/health", lambda: AppState(None), 0.3, get=_unavailable)
+
+
+# What Serve 2.60's controller reports of a replica whose start raised, then of the deployment
+# once it gave up (deployment_state.py), quoting the replica's traceback.
+_TRACEBACK = (
+    "ray::ServeReplica:pagedray:OpenAIIngress.initialize_and_get_metadata() (pid=7, ip=10.0.0.1)"
+    '\n  File "replica.py", line 2327, in allocate_and_start_server\n    port = await ...'
+    "\nray.serve._private.node_port_manager.NoAvailablePortError: No available ports on node "
+    "abc for HTTP protocol.\n"
+)
+RETRYING = (
+    f"A replica failed to start with exception. Retrying 2 more time(s). Error:\n{_TRACEBACK}"
+)
+GAVE_UP = (
+    "The deployment failed to start 3 times in a row. This may be due to a problem with its "
+    f"constructor or initial health check failing. See controller logs for details. Error:\n"
+    f"{_TRACEBACK}"
+)
+CAUSE = "NoAvailablePortError: No available ports on node abc for HTTP protocol."
+
+
+def _serve_status(app_status: str, deployment_status: str, message: str) -> ServeStatus:
+    """`serve.status()`'s answer for one application of an ingress and an engine deployment."""
+
+    def deployment(status: str, message: str) -> DeploymentStatusOverview:
+        trigger = DeploymentStatusTrigger.CONFIG_UPDATE_STARTED
+        return DeploymentStatusOverview(DeploymentStatus(status), trigger, {}, message)
+
+    deployments = {
+        "PagedRayEngine": deployment("HEALTHY", ""),
+        "OpenAIIngress": deployment(deployment_status, message),
+    }
+    app = ApplicationStatusOverview(ApplicationStatus(app_status), "", 0.0, deployments)
+    return ServeStatus(applications={"pagedray": app})
+
+
+def test_serves_failure_messages_become_one_line() -> None:
+    assert app_state(ServeStatus(), "pagedray") == AppState(None)
+    starting = app_state(_serve_status("DEPLOYING", "UPDATING", ""), "pagedray")
+    assert starting == AppState("DEPLOYING")
+    retrying = app_state(_serve_status("DEPLOYING", "UPDATING", RETRYING), "pagedray")
+    assert retrying.problem == f"OpenAIIngress: A replica failed to start with exception: {CAUSE}"
+    failed = app_state(_serve_status("DEPLOY_FAILED", "DEPLOY_FAILED", GAVE_UP), "pagedray")
+    assert failed.status == "DEPLOY_FAILED"
+    gave_up = "The deployment failed to start 3 times in a row"
+    assert failed.problem == f"OpenAIIngress: {gave_up}: {CAUSE}"
+
+
+def test_a_replica_that_fails_to_start_is_said_at_once_and_its_cause_ends_the_wait() -> None:
+    """Serve retries a replica that failed to start a few times before it gives the application
+    up: the cause is printed at its first failure, and ends the wait at the last."""
+    states = iter(
+        [
+            AppState("DEPLOYING"),
+            AppState("DEPLOYING", "OpenAIIngress: failed: X"),
+            AppState("DEPLOYING", "OpenAIIngress: failed: X"),
+            AppState("DEPLOY_FAILED", "OpenAIIngress: gave up: X"),
+        ]
+    )
+    reports: list[str] = []
+    with pytest.raises(StartupFailed, match="^OpenAIIngress: gave up: X$"):
+        wait_until_ready(
+            "http://x/health", lambda: next(states), 10.0, get=_unavailable, report=reports.append
+        )
+    assert reports == ["pagedray: OpenAIIngress: failed: X (Serve retries)"]
 
 
 def test_the_reconnect_line_is_dropped_and_nothing_else() -> None:

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedray import LLM, SamplingParams
 
 MODEL = "tiny"
+ALIAS = "tiny-alias"  # the main app's second served name (vLLM's --served-model-name a b)
 API_KEY = "sk-test-secret"
 ENGINE_ARGS: dict[str, Any] = {
     "served_model_name": MODEL,
@@ -43,6 +44,7 @@ def main_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     from pagedray.cluster.openai_app import build_app
 
     args = {**ENGINE_ARGS, "model": tiny_llama, "num_replicas": 2}  # routed cache-aware
+    args["served_model_name"] = [MODEL, ALIAS]
     yield from deploy_app(serve_url, "main", build_app(args))
 
 
@@ -255,6 +257,19 @@ def test_batch_of_prompts_and_echo(client: openai.OpenAI) -> None:
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400, None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+            400,
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "ctx", "content": "x"}]}, 400, "messages"),
     ],
 )
 def test_bad_requests_are_refused(
@@ -365,7 +380,14 @@ def test_metrics_on_the_api_port(main_url: str) -> None:
     while True:
         response = httpx.get(f"{main_url}/metrics", timeout=30)
         assert response.status_code == 200, response.text
-        if "ray_pagedray_generation_tokens_total{" in response.text:
+        generated = [
+            sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples
+            if sample.name == "ray_pagedray_generation_tokens_total"
+        ]
+        assert generated, "the series exist from the start, at 0 before Ray's first export"
+        if sum(generated) > 0:
             break
         assert time.monotonic() < deadline, response.text[:2000]
         time.sleep(1.0)
@@ -478,7 +500,7 @@ def test_health_models_and_tokenizer_routes(main_url: str) -> None:
     # Nothing but the status: replica ids and step counts are for /stats.
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     models = httpx.get(f"{main_url}/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [m["id"] for m in models["data"]] == [MODEL, ALIAS]
     text = "Hello, world! Zürich 😀"
     tokens = httpx.post(
         f"{main_url}/tokenize", json={"prompt": text, "add_special_tokens": False}
@@ -487,6 +509,39 @@ def test_health_models_and_tokenizer_routes(main_url: str) -> None:
     back = httpx.post(f"{main_url}/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert back["prompt"] == text
     _error(httpx.post(f"{main_url}/detokenize", json={"tokens": [10**6]}), 400)
+
+
+def test_every_served_name_is_listed_retrieved_and_served(
+    client: openai.OpenAI, main_url: str
+) -> None:
+    """As vLLM's: a request may name either; answers report the first."""
+    assert [model.id for model in client.models.list()] == [MODEL, ALIAS]
+    card = client.models.retrieve(ALIAS)
+    assert (card.id, card.object) == (ALIAS, "model") and card.model_extra["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    error = _error(httpx.get(f"{main_url}/v1/models/gpt-4"), 404)
+    assert (error["type"], error["param"]) == ("NotFoundError", "model")
+    response = client.completions.create(model=ALIAS, prompt="hi", max_tokens=2)
+    assert response.model == MODEL and response.usage.completion_tokens == 2
+
+
+def test_cors_as_vllms_defaults(main_url: str) -> None:
+    """A page on another origin may call the API: its preflight is answered, and every answer
+    allows it (vLLM's defaults: any origin, method and header)."""
+    origin = {"Origin": "https://app.example"}
+    preflight = {
+        **origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    response = httpx.options(f"{main_url}/v1/chat/completions", headers=preflight)
+    assert response.status_code == 200, response.text
+    assert response.headers["access-control-allow-origin"] == "*"
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert "authorization" in response.headers["access-control-allow-headers"].lower()
+    models = httpx.get(f"{main_url}/v1/models", headers=origin)
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
 
 
 def test_both_replicas_serve(client: openai.OpenAI, main_url: str) -> None:
@@ -716,6 +771,13 @@ class TestLimitedApp:
         assert right.completions.create(**body).usage.completion_tokens == 2
         # As vLLM's, the metrics need no key (nor does /health).
         assert httpx.get(f"{limited_url}/metrics", timeout=30).status_code == 200
+
+    def test_cors_preflight_needs_no_key(self, limited_url: str) -> None:
+        """A browser sends its preflight without the key (it asks whether it may send one)."""
+        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        response = httpx.options(f"{limited_url}/v1/completions", headers=preflight)
+        assert response.status_code == 200, response.text
+        assert response.headers["access-control-allow-origin"] == "*"
 
     def test_stream_interval_sends_chunks_of_n_tokens(self, limited_url: str) -> None:
         client = openai.OpenAI(base_url=f"{limited_url}/v1", api_key=API_KEY, max_retries=0)

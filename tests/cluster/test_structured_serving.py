@@ -180,6 +180,16 @@ def test_completions_take_response_format_and_vllms_structured_outputs(
             "Invalid type",
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema is required"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "loop", "schema": {"allOf": [{"$ref": "#"}]}},
+                }
+            },
+            "response_format",
+            "admits no finite value",
+        ),
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
         (
             {"structured_outputs": {"regex": "a", "choice": ["a"]}},
@@ -308,6 +318,37 @@ def test_streamed_required_calls_reassemble(client: openai.OpenAI) -> None:
     assert finish == "tool_calls" and calls
     for call in calls.values():
         jsonschema.validate(json.loads(call["arguments"]), PARAMETERS[call["name"]])
+
+
+def _streamed_calls(stream: Any) -> tuple[list[tuple[str, str]], str | None, str]:
+    calls: dict[int, list[str]] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, ["", ""])
+                entry[0] += delta.function.name or ""
+                entry[1] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [(name, arguments) for name, arguments in calls.values()], finish, content
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "search"}}]
+)
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_call(
+    client: openai.OpenAI, choice: Any
+) -> None:
+    """What langchain's with_structured_output and bind_tools(tool_choice="any") read: whole or
+    streamed, the call cut short is in tool_calls with its arguments so far, as OpenAI's."""
+    kwargs = dict(tools=[SEARCH], tool_choice=choice, temperature=0.0, max_tokens=12)
+    whole = _chat(client, **kwargs).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert len(calls) == 1 and calls[0][0] == "search"
+    streamed, finish, content = _streamed_calls(_chat(client, **kwargs, stream=True))
+    assert (streamed, finish, content) == (calls, "length", "")
 
 
 HERMES_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "ray"}}\n</tool_call>'

@@ -183,18 +183,20 @@ def pagedray_serve(
     env: dict[str, str] | None = None,
     start_timeout_s: float = SERVE_START_TIMEOUT_S,
     stop_timeout_s: float = SERVE_STOP_TIMEOUT_S,
+    port: int | None = None,
 ) -> Iterator[ServeProcess]:
     """`pagedray serve MODEL FLAGS` on free ports with its own local Ray, healthy when yielded.
 
     Afterwards it is stopped (SIGTERM, which deletes the app and shuts Ray down) and every
     process it started is gone, killed by PID if need be. When the body raised nothing, it
     asserts that the server exited with 0 and that no process outlived it. `model` None serves
-    the default model; `workdir` (default: a fresh one, removed after) is its RAY_TMPDIR.
+    the default model; `workdir` (default: a fresh one, removed after) is its RAY_TMPDIR;
+    `port` (default: a free one) its API port.
     """
     own_workdir = workdir is None
     # NOTE: short, under /tmp: Ray's Unix sockets live below it, and their paths are limited.
     workdir = Path(tempfile.mkdtemp(prefix="pdr-", dir="/tmp")) if workdir is None else workdir
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = port or free_port(), free_port()
     command = [str(Path(sys.executable).with_name("pagedray")), "serve"]
     command += [model] if model is not None else []
     command += ["--port", str(port), "--metrics-export-port", str(metrics_port), *flags]

@@ -1,0 +1,125 @@
+"""vLLM's spellings of every flag `pagedray serve` and `pagedray generate` share with it
+(vllm/engine/arg_utils.py, vllm/entrypoints/openai/cli_args.py) parse, and their values reach
+the app's arguments and the engine's config as vLLM means them: `--dtype half`,
+`--enable-prefix-caching`, `--max-model-len 32k`, `--served-model-name a b` (two names), ..."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from pagedray.cli.main import add_engine_args, engine_kwargs
+from pagedray.cli.serve import add_serve_parser, serve_app_args
+from pagedray.cli.vllm_flags import human_readable_int
+from pagedray.engine.config import EngineConfig
+from pagedray.openai.cors import CORSSettings, cors_settings_of
+
+MODEL = "/models/tiny-llama"
+ABSENT = object()  # the flag leaves the argument to its default (absent from the app's args)
+
+# (vLLM's command line after the model, the `build_app` argument it sets, its value)
+SPELLINGS: list[tuple[list[str], str, Any]] = [
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+    (["-tp", "2"], "tensor_parallel_size", 2),
+    (["--dtype", "auto"], "dtype", "auto"),
+    (["--dtype", "half"], "dtype", "float16"),
+    (["--dtype", "float16"], "dtype", "float16"),
+    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+    (["--dtype", "float"], "dtype", "float32"),
+    (["--dtype", "float32"], "dtype", "float32"),
+    (["--enable-prefix-caching"], "enable_prefix_caching", True),
+    (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+    (["--max-model-len", "4096"], "max_model_len", 4096),
+    (["--max-model-len", "32k"], "max_model_len", 32_000),
+    (["--max-model-len", "32K"], "max_model_len", 32_768),
+    (["--max-model-len", "25.6k"], "max_model_len", 25_600),
+    (["--max-model-len", "auto"], "max_model_len", ABSENT),
+    (["--max-model-len", "-1"], "max_model_len", ABSENT),
+    (["--max-num-batched-tokens", "8k"], "max_num_batched_tokens", 8_000),
+    (["--max-num-batched-tokens", "512"], "max_num_batched_tokens", 512),
+    (["--max-num-seqs", "8"], "max_num_seqs", 8),
+    (["--block-size", "32"], "block_size", 32),
+    (["--seed", "7"], "seed", 7),
+    (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
+    (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
+    (["--num-gpu-blocks-override", "64"], "num_kv_blocks", 64),
+    (["--kv-cache-memory-bytes", "2G"], "kv_cache_memory_gb", 2.0),
+    (["--stream-interval", "4"], "stream_interval", 4),
+    (["--served-model-name", "tiny"], "served_model_name", ["tiny"]),
+    (["--served-model-name", "tiny", "tiny-alias"], "served_model_name", ["tiny", "tiny-alias"]),
+    (["--tool-call-parser", "hermes"], "tool_call_parser", "hermes"),
+    (["--tool-call-parser", "llama3_json"], "tool_call_parser", "llama3_json"),
+    (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here
+    (["--api-key", "sk-1"], "api_key", "sk-1"),
+    (["--allowed-origins", '["https://app.example"]'], "allowed_origins", ["https://app.example"]),
+    (["--allowed-methods", '["GET", "POST"]'], "allowed_methods", ["GET", "POST"]),
+    (["--allowed-headers", '["Authorization"]'], "allowed_headers", ["Authorization"]),
+    (["--allow-credentials"], "allow_credentials", True),
+    (["--no-allow-credentials"], "allow_credentials", False),
+]
+
+
+def _serve(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize(("flags", "name", "value"), SPELLINGS, ids=lambda x: repr(x))
+def test_each_vllm_spelling_reaches_the_app_args(flags: list[str], name: str, value: Any) -> None:
+    # NOTE: the model first, as vLLM's `--served-model-name a b MODEL` would name MODEL too.
+    app_args = serve_app_args(_serve([MODEL, *flags]))
+    assert app_args["model"] == MODEL
+    assert app_args.get(name, ABSENT) == value
+    engine_args = {key: v for key, v in app_args.items() if key in EngineConfig.model_fields}
+    config = EngineConfig.model_validate(engine_args)  # the engine takes them as they are
+    if name in EngineConfig.model_fields and value is not ABSENT:
+        assert getattr(config, name) == value
+
+
+def test_the_engine_flags_mean_the_same_offline() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--dtype", "half", "--no-enable-prefix-caching", "--max-model-len", "2k"]
+    kwargs = engine_kwargs(parser.parse_args([MODEL, *flags, "--gpu-memory-utilization", "0.8"]))
+    assert (kwargs["dtype"], kwargs["enable_prefix_caching"]) == ("float16", False)
+    assert (kwargs["max_model_len"], kwargs["gpu_memory_utilization"]) == (2000, 0.8)
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert defaults["enable_prefix_caching"] and "gpu_memory_utilization" not in defaults
+    assert (defaults["dtype"], defaults["max_model_len"]) == ("auto", None)
+
+
+def test_two_served_names_the_first_reported() -> None:
+    config = EngineConfig(model=MODEL, served_model_name=["a", "b"])
+    assert config.served_names() == ["a", "b"] and config.served_name() == "a"
+    # One name as a string (Serve config files, the Helm chart, `build_app` args) is one name.
+    assert EngineConfig(model=MODEL, served_model_name="a").served_names() == ["a"]
+    assert EngineConfig(model=MODEL).served_names() == ["tiny-llama"]
+
+
+def test_values_vllm_refuses_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for flags in (
+        ["--dtype", "fp8"],
+        ["--max-model-len", "1.5K"],  # no decimals with a binary suffix, as vLLM
+        ["--allowed-origins", "*"],  # a JSON list, as vLLM's
+        ["--kv-cache-memory-gb", "1", "--kv-cache-memory-bytes", "1G"],
+    ):
+        with pytest.raises(SystemExit):
+            _serve([MODEL, *flags])
+    with pytest.raises(SystemExit, match="one --api-key"):
+        serve_app_args(_serve([MODEL, "--api-key", "a", "b"]))
+    assert human_readable_int("1m") == 1_000_000 and human_readable_int("1M") == 2**20
+
+
+def test_cors_defaults_are_vllms_and_build_app_takes_json_text() -> None:
+    assert cors_settings_of({}) == CORSSettings(("*",), ("*",), ("*",), False)
+    given = {"allowed_origins": '["https://a.example"]', "allow_credentials": "true"}
+    settings = cors_settings_of(given)  # as `serve run ... key=value` passes them
+    assert settings.allowed_origins == ("https://a.example",) and settings.allow_credentials
+    assert cors_settings_of({"allowed_methods": ["GET"]}).allowed_methods == ("GET",)
+    with pytest.raises(ValueError, match="^allowed_headers: must be a list of strings"):
+        cors_settings_of({"allowed_headers": "Authorization"})
+    with pytest.raises(ValueError, match="^allow_credentials: "):
+        cors_settings_of({"allow_credentials": "maybe"})

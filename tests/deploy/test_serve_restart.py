@@ -1,0 +1,43 @@
+"""A restart soon after a stop (issue P11): a client's keep-alive connection open when
+`pagedray serve` stops leaves the API port in TIME_WAIT, and the next `pagedray serve` on that
+port must serve at once. It used to fail to listen there (its ingress replica bound without
+SO_REUSEADDR, cluster/serve_bind_fix.py) and wait out --startup-timeout, 600 s, in silence.
+"""
+
+from __future__ import annotations
+
+import http.client
+from pathlib import Path
+
+from _subprocesses import SERVE_START_TIMEOUT_S, free_port, get_ok, pagedray_serve
+
+FLAGS = ("--served-model-name", "tiny", "--num-kv-blocks", "32", "--num-threads", "1")
+# What any start gets here (Ray, Serve and the model on 2 cores): a quarter of the old 600 s.
+RESTART_TIMEOUT_S = SERVE_START_TIMEOUT_S
+TIME_WAIT = "06"  # /proc/net/tcp's state code
+
+
+def _in_time_wait(port: int) -> bool:
+    """Whether a TCP connection whose local port is `port` lingers in TIME_WAIT."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == TIME_WAIT:
+                return True
+    return False
+
+
+def test_a_restart_right_after_a_stop_with_a_client_connected_serves(tiny_llama: str) -> None:
+    port = free_port()
+    with pagedray_serve(tiny_llama, *FLAGS, port=port):
+        held = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        held.request("GET", "/health")
+        response = held.getresponse()
+        response.read()
+        assert response.status == 200 and not response.will_close  # kept alive, held open
+    # The server stopped with the connection open, so it closed it first: once the client
+    # closes its end too, the server's end lingers in TIME_WAIT, on the API port.
+    held.close()
+    assert _in_time_wait(port)
+    with pagedray_serve(tiny_llama, *FLAGS, port=port, start_timeout_s=RESTART_TIMEOUT_S) as again:
+        assert get_ok(f"{again.url}/v1/models")
