@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from pagedray.cli.console import quiet_ray_console, say
 from pagedray.cli.serve_runtime import (
     QuietReconnect,
     StartupFailed,
@@ -35,6 +36,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # As deploy/ (`ray start --metrics-export-port=8080`), so deploy/prometheus/ scrapes either.
 DEFAULT_METRICS_EXPORT_PORT = 8080
 RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def add_serve_parser(commands: Any) -> None:
@@ -246,15 +248,22 @@ def run_serve(args: argparse.Namespace) -> int:
     if local and args.device != "cuda":
         # NOTE: before Ray starts: its processes inherit the policy (workers/cpu_scheduling.py).
         serve_under_batch_policy()
+    if local:
+        # Ray's own default for a local cluster (token auth on), said outright: Ray then does not
+        # print its notice that it chose it. A user's setting is kept.
+        os.environ.setdefault(RAY_AUTH_MODE_ENV, "token")
     import ray
     from ray import serve
     from ray.serve.api import _run
 
     from pagedray.cluster.openai_app import build_app
     from pagedray.observability.ray_grafana import provision_for_this_ray_session
-    from pagedray.tools.default_model import default_model_path
+    from pagedray.tools.default_model import default_model_built, default_model_path
 
-    app_args.setdefault("model", str(default_model_path()))
+    if "model" not in app_args:
+        if not default_model_built():
+            say("building the default model (once, into the cache)")
+        app_args["model"] = str(default_model_path())
     # The names clients may send as `model` (also listed by GET /v1/models).
     model_names = app_args.get("served_model_name") or [Path(app_args["model"]).name]
     stop = threading.Event()
@@ -267,10 +276,11 @@ def run_serve(args: argparse.Namespace) -> int:
             stop.set()
             raise KeyboardInterrupt
         stop.set()
-        print("pagedray: stopping once the requests in flight finish (again to stop now)")
+        say("stopping once the requests in flight finish (again to stop now)")
 
     try:
         _start_ray(ray, args, local)
+        quiet_ray_console()
         # NOTE: right after Ray starts (it installs its own SIGTERM handler, which aborts the
         # process), and before deploying: a signal then stops the deployment and cleans up.
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -278,6 +288,11 @@ def run_serve(args: argparse.Namespace) -> int:
         port = proxy_port(args.port, args.host) if local else args.port
         serve.start(http_options={"host": args.host, "port": port})
         logging.getLogger("ray.serve").addFilter(QuietReconnect())
+        engines = _max_engines(args) if args.max_replicas else args.num_replicas
+        say(
+            f"deploying {Path(app_args['model']).name}: {engines} engine replica(s) of "
+            f"tensor parallel size {args.tensor_parallel_size}, each loading the model"
+        )
         _run(build_app(app_args), _blocking=False, name=APP_NAME, route_prefix="/")
         poll_host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
         wait_until_ready(
@@ -288,22 +303,22 @@ def run_serve(args: argparse.Namespace) -> int:
         serving = True
         url = f"http://{_url_host(args.host)}:{args.port}/v1"
         names = ", ".join(repr(name) for name in model_names)
-        print(f"pagedray: serving the OpenAI API at {url} (model {names})", flush=True)
+        say(f"serving the OpenAI API at {url} (model {names})")
         # The ingress writes it where it runs; this covers a head that holds no ingress.
         if (dashboard := provision_for_this_ray_session()) is not None:
-            print(f"pagedray: Grafana dashboard for Ray's Grafana: {dashboard}", flush=True)
+            say(f"Grafana dashboard for Ray's Grafana: {dashboard}")
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
-        print("pagedray: interrupted while starting", flush=True)
+        say("interrupted while starting")
     except (StartupFailed, TimeoutError) as exc:  # why, in a line: the Serve logs hold the rest
-        print(f"pagedray: the server did not start: {exc}", flush=True)
+        say(f"the server did not start: {exc}")
         failed = True
     finally:
         try:
             _shut_down(local)
         except KeyboardInterrupt:  # the second signal: Ray is shut down, the replicas with it
-            print("pagedray: stopped without waiting", flush=True)
+            say("stopped without waiting")
     return 1 if failed else 0
 
 
@@ -314,11 +329,14 @@ def _url_host(host: str) -> str:
 def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
     """A local single-node Ray listening where --metrics-host says, or the cluster to join."""
     if not local:
-        ray.init(address=args.address)
+        say(f"joining the Ray cluster at {args.address or os.environ.get('RAY_ADDRESS')}")
+        ray.init(address=args.address, logging_level=logging.WARNING)
         return
     num_cpus = _max_engines(args) * (1 + args.tensor_parallel_size) + 1  # + the ingress
     metrics_host = args.metrics_host or args.host
-    ray.init(
+    say("starting a local Ray")
+    context = ray.init(
+        logging_level=logging.WARNING,  # its INFO lines: what `say` tells, and the dashboard
         address="local",
         num_cpus=max(os.cpu_count() or 1, num_cpus),
         include_dashboard=True,
@@ -327,6 +345,8 @@ def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
         _metrics_export_port=args.metrics_export_port,
         **_bind_ray_to(metrics_host),
     )
+    dashboard = getattr(context, "dashboard_url", None)
+    say(f"Ray is up (its dashboard at http://{dashboard})" if dashboard else "Ray is up")
 
 
 def _is_loopback(host: str) -> bool:
@@ -376,7 +396,7 @@ def _shut_down(local: bool) -> None:
     from ray import serve
 
     if not ray.is_initialized():  # interrupted before Ray started: nothing to stop
-        print("pagedray: stopped", flush=True)
+        say("stopped")
         return
     try:
         if serve.status().applications.get(APP_NAME) is not None:
@@ -384,7 +404,7 @@ def _shut_down(local: bool) -> None:
         if local or not serve.status().applications:
             serve.shutdown()
     except Exception as exc:  # noqa: BLE001 - still disconnect from Ray below
-        print(f"pagedray: shutting down Serve failed: {exc}", flush=True)
+        say(f"shutting down Serve failed: {exc}")
     finally:
         ray.shutdown()
-    print("pagedray: stopped", flush=True)
+    say("stopped")

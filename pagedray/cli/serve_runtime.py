@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pagedray.cli.console import replica_progress
+
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 DIRECT_INGRESS_MIN_PORT_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"
@@ -131,6 +133,7 @@ class AppState:
 
     status: str | None  # Serve's ApplicationStatus value; None: not deployed yet
     problem: str | None = None  # why a replica failed to start (or the app failed), in a line
+    progress: str | None = None  # the replicas running of each deployment, in a line
 
 
 def app_state(serve_status: Any, app_name: str) -> AppState:
@@ -140,11 +143,13 @@ def app_state(serve_status: Any, app_name: str) -> AppState:
     if app is None:
         return AppState(None)
     status = _value(app.status)
+    progress = replica_progress(app.deployments)
     for name, deployment in app.deployments.items():
         message = deployment.message or ""
         if _value(deployment.status) in FAILED_STATUSES or "failed to start" in message:
-            return AppState(status, f"{name}: {_summary(message)}" if message else None)
-    return AppState(status, _summary(app.message) if app.message else None)
+            problem = f"{name}: {_summary(message)}" if message else None
+            return AppState(status, problem, progress)
+    return AppState(status, _summary(app.message) if app.message else None, progress)
 
 
 def _value(status: Any) -> str:
@@ -181,14 +186,15 @@ def wait_until_ready(
     get: Callable[[str], Any] | None = None,
     report: Callable[[str], None] = _print_now,
 ) -> None:
-    """Return once `health_url` answers 200 (every engine can serve). `report` each new problem
-    Serve shows while it retries; raise StartupFailed, with its cause, once the application's
-    status is a failure, and TimeoutError after `timeout_s`."""
+    """Return once `health_url` answers 200 (every engine can serve). `report` how many replicas
+    run whenever that changes, and each new problem Serve shows while it retries; raise
+    StartupFailed, with its cause, once the application's status is a failure, and TimeoutError
+    after `timeout_s`."""
     import httpx
 
     get = get or (lambda url: httpx.get(url, timeout=2.0))
     deadline = time.monotonic() + timeout_s
-    reported = None
+    reported = progress = None
     while time.monotonic() < deadline:
         try:
             if get(health_url).status_code == 200:
@@ -196,6 +202,9 @@ def wait_until_ready(
         except httpx.HTTPError:
             pass  # not listening yet
         state = state_of()
+        if state.progress is not None and state.progress != progress:
+            report(f"pagedray: {state.progress}")
+            progress = state.progress
         if state.status in FAILED_STATUSES:
             raise StartupFailed(state.problem or f"the Serve application is {state.status}")
         if state.problem is not None and state.problem != reported:

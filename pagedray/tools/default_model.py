@@ -343,13 +343,22 @@ def make_model(
     return out_dir
 
 
+def default_model_built(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> bool:
+    """Whether `default_model_path` finds the build in the cache (else it builds it first)."""
+    return (_default_model_dir(arch, preset) / "model.safetensors").exists()
+
+
+def _default_model_dir(arch: str, preset: str) -> Path:
+    return cache_dir("models") / f"{arch}-{preset}-{CACHE_VERSION}"
+
+
 def default_model_path(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
     """Returns the cached build of (arch, preset), seed 0, building it once on first use.
 
     A file lock serialises concurrent builders; the atomic rename in `make_model` means a directory
     that exists is always complete.
     """
-    path = cache_dir("models") / f"{arch}-{preset}-{CACHE_VERSION}"
+    path = _default_model_dir(arch, preset)
     if (path / "model.safetensors").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

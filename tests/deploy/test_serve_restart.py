@@ -2,11 +2,14 @@
 `pagedray serve` stops leaves the API port in TIME_WAIT, and the next `pagedray serve` on that
 port must serve at once. It used to fail to listen there (its ingress replica bound without
 SO_REUSEADDR, cluster/serve_bind_fix.py) and wait out --startup-timeout, 600 s, in silence.
+The same two starts show what the console says: what is being done, and none of Ray's noise.
 """
 
 from __future__ import annotations
 
 import http.client
+import shutil
+import tempfile
 from pathlib import Path
 
 from _subprocesses import SERVE_START_TIMEOUT_S, free_port, get_ok, pagedray_serve
@@ -27,14 +30,49 @@ def _in_time_wait(port: int) -> bool:
     return False
 
 
+# What Ray and Serve print by themselves that a user cannot act on (pagedray/cli/console.py).
+NOISE = (
+    "Token authentication is enabled",
+    "Throughput optimized Ray Serve enabled",
+    "Direct ingress enabled",
+    "graceful_shutdown failed",
+    "Started Serve in namespace",
+    "Deleting app",
+)
+# What a start and a stop say, in this order.
+STEPS = (
+    "pagedray: starting a local Ray",
+    "pagedray: Ray is up",
+    "pagedray: deploying",
+    "pagedray: replicas running: ",
+    "pagedray: serving the OpenAI API at",
+    "pagedray: stopping once the requests in flight finish",
+    "pagedray: stopped",
+)
+
+
+def _check_console(console: str) -> None:
+    for noise in NOISE:
+        assert noise not in console, console
+    lines = console.splitlines()
+    positions = [next(i for i, line in enumerate(lines) if line.startswith(s)) for s in STEPS]
+    assert positions == sorted(positions), console
+    assert all(line.startswith("pagedray: ") for line in lines), console
+
+
 def test_a_restart_right_after_a_stop_with_a_client_connected_serves(tiny_llama: str) -> None:
     port = free_port()
-    with pagedray_serve(tiny_llama, *FLAGS, port=port):
-        held = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        held.request("GET", "/health")
-        response = held.getresponse()
-        response.read()
-        assert response.status == 200 and not response.will_close  # kept alive, held open
+    workdir = Path(tempfile.mkdtemp(prefix="pdr-", dir="/tmp"))  # kept for its log
+    try:
+        with pagedray_serve(tiny_llama, *FLAGS, port=port, workdir=workdir):
+            held = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            held.request("GET", "/health")
+            response = held.getresponse()
+            response.read()
+            assert response.status == 200 and not response.will_close  # kept alive, held open
+        _check_console((workdir / "serve.log").read_text(errors="replace"))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     # The server stopped with the connection open, so it closed it first: once the client
     # closes its end too, the server's end lingers in TIME_WAIT, on the API port.
     held.close()
