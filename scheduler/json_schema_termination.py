@@ -61,7 +61,8 @@ def _finite(node: Any, root: Any, finite: dict[str, bool]) -> bool:
 
 
 def _finite_object(node: dict[str, Any], root: Any, finite: dict[str, bool]) -> bool:
-    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    properties = node.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
     extra = node.get("additionalProperties", True)
     for name in _list(node.get("required")):
         sub = properties.get(name, extra) if isinstance(name, str) else True

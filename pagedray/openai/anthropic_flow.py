@@ -190,7 +190,7 @@ async def message_events(
     message_id: str, ctx: ResponseContext, streams: EngineStreams
 ) -> AsyncIterator[str]:
     """The Message as Anthropic's events; an engine failure mid-stream is an `error` event."""
-    start = {
+    start: dict[str, Any] = {
         "id": message_id,
         "type": "message",
         "role": "assistant",
@@ -222,7 +222,8 @@ async def message_events(
                 yield event("message_stop", {"type": "message_stop"})
                 return
             finished = delta.finish_reason is not None
-            content, calls = delta.text, None
+            content: str | None = delta.text
+            calls = None
             if tools is not None:
                 content, calls = tools.feed(delta.text, finished)
             if finished:
@@ -243,7 +244,12 @@ def _content_events(blocks: _Blocks, content: str | None, calls: list[Any] | Non
         function = call.function
         if call.id is not None:  # a new call: its block opens with its id and name
             name = function.name if function is not None else ""
-            block = {"type": "tool_use", "id": tool_use_id(call.id), "name": name, "input": {}}
+            block: dict[str, Any] = {
+                "type": "tool_use",
+                "id": tool_use_id(call.id),
+                "name": name,
+                "input": {},
+            }
             events += blocks.start(block)
         arguments = function.arguments if function is not None else None
         if arguments:
