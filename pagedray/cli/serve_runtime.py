@@ -195,16 +195,22 @@ def wait_until_ready(
     get = get or (lambda url: httpx.get(url, timeout=2.0))
     deadline = time.monotonic() + timeout_s
     reported = progress = None
+
+    def report_progress(state: AppState) -> None:
+        nonlocal progress
+        if state.progress is not None and state.progress != progress:
+            report(f"pagedray: {state.progress}")
+            progress = state.progress
+
     while time.monotonic() < deadline:
         try:
             if get(health_url).status_code == 200:
+                report_progress(state_of())  # where it ended: every replica running
                 return
         except httpx.HTTPError:
             pass  # not listening yet
         state = state_of()
-        if state.progress is not None and state.progress != progress:
-            report(f"pagedray: {state.progress}")
-            progress = state.progress
+        report_progress(state)
         if state.status in FAILED_STATUSES:
             raise StartupFailed(state.problem or f"the Serve application is {state.status}")
         if state.problem is not None and state.problem != reported:

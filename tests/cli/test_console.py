@@ -54,7 +54,8 @@ def test_progress_is_reported_when_it_changes() -> None:
         [
             AppState("DEPLOYING", progress="replicas running: engine 0/1"),
             AppState("DEPLOYING", progress="replicas running: engine 0/1"),
-            AppState("DEPLOYING", progress="replicas running: engine 1/1"),
+            AppState("DEPLOYING", progress="replicas running: engine 0/1"),
+            AppState("RUNNING", progress="replicas running: engine 1/1"),  # once it answers
         ]
     )
     answers = iter([503, 503, 503, 200])

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from _subprocesses import SERVE_START_TIMEOUT_S, free_port, get_ok, pagedray_serve
+from _subprocesses import SERVE_START_TIMEOUT_S, free_port, get_ok, pagedray_serve, wait_for
 
 FLAGS = ("--served-model-name", "tiny", "--num-kv-blocks", "32", "--num-threads", "1")
 # What any start gets here (Ray, Serve and the model on 2 cores): a quarter of the old 600 s.
@@ -39,13 +39,14 @@ NOISE = (
     "Started Serve in namespace",
     "Deleting app",
 )
+URL_SAID = "pagedray: serving the OpenAI API at"
 # What a start and a stop say, in this order.
 STEPS = (
     "pagedray: starting a local Ray",
     "pagedray: Ray is up",
     "pagedray: deploying",
     "pagedray: replicas running: ",
-    "pagedray: serving the OpenAI API at",
+    URL_SAID,
     "pagedray: stopping once the requests in flight finish",
     "pagedray: stopped",
 )
@@ -55,7 +56,11 @@ def _check_console(console: str) -> None:
     for noise in NOISE:
         assert noise not in console, console
     lines = console.splitlines()
-    positions = [next(i for i, line in enumerate(lines) if line.startswith(s)) for s in STEPS]
+    positions = []
+    for step in STEPS:
+        found = [i for i, line in enumerate(lines) if line.startswith(step)]
+        assert found, f"no line {step!r} in:\n{console}"
+        positions.append(found[0])
     assert positions == sorted(positions), console
     assert all(line.startswith("pagedray: ") for line in lines), console
 
@@ -64,7 +69,9 @@ def test_a_restart_right_after_a_stop_with_a_client_connected_serves(tiny_llama:
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="pdr-", dir="/tmp"))  # kept for its log
     try:
-        with pagedray_serve(tiny_llama, *FLAGS, port=port, workdir=workdir):
+        with pagedray_serve(tiny_llama, *FLAGS, port=port, workdir=workdir) as first:
+            # NOTE: this test's poll of /health may see 200 before the server's own does.
+            wait_for("the URL said", lambda: URL_SAID in first.log_tail(), 30)
             held = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             held.request("GET", "/health")
             response = held.getresponse()
