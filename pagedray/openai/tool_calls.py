@@ -14,14 +14,14 @@ from typing import Any
 
 from pagedray.openai.constraints import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from pagedray.openai.tool_choice import ConstrainedToolCallStreamer, constrained_tool_calls
-from pagedray.openai.tool_parsers import ToolCall as ParsedCall
 from pagedray.openai.tool_parsers import (
+    ParsedCall,
     ToolCallParser,
     ToolCallStreamer,
     content_or_none,
-    new_call_id,
     tool_parser_for,
 )
+from pagedray.openai.tool_parsers.base import new_call_id
 
 
 @dataclass

@@ -11,14 +11,14 @@ import json
 import re
 from typing import Any
 
-from pagedray.openai.tool_parsers import (
-    CallObjectStream,
+from pagedray.openai.tool_parsers.base import (
+    ParsedCall,
     StreamedDelta,
-    ToolCall,
     ToolCallDelta,
     call_from_object,
     new_call_id,
 )
+from pagedray.openai.tool_parsers.call_object_stream import CallObjectStream
 
 # The "name" string of a call object, cut off before its closing quote.
 _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"([a-zA-Z0-9_-]*)$')
@@ -149,7 +149,7 @@ def _lift_defs(parameters: dict[str, Any], defs: dict[str, dict[str, Any]]) -> N
 
 def constrained_tool_calls(
     text: str, tools: list[dict[str, Any]] | None, tool_choice: Any
-) -> list[ToolCall]:
+) -> list[ParsedCall]:
     """The calls in output generated under tool_choice_schema.
 
     Raises ValueError when the text is not such output (generation cut short by max_tokens);
@@ -161,7 +161,7 @@ def constrained_tool_calls(
     except json.JSONDecodeError:
         raise ValueError("tool_choice: the output is not complete JSON") from None
     if kind == "named" and isinstance(value, dict):
-        return [ToolCall(new_call_id(), name or "", json.dumps(value, ensure_ascii=False))]
+        return [ParsedCall(new_call_id(), name or "", json.dumps(value, ensure_ascii=False))]
     if kind != "required" or not isinstance(value, list) or not value:
         raise ValueError(f"tool_choice: the output does not follow {kind!r}")
     calls, functions = [], _functions(tools)
@@ -169,7 +169,7 @@ def constrained_tool_calls(
         call = call_from_object(item)
         if call is None or call[0] not in functions:
             raise ValueError(f"tool_choice: {json.dumps(item)[:80]} is not a call of a tool")
-        calls.append(ToolCall(new_call_id(), *call))
+        calls.append(ParsedCall(new_call_id(), *call))
     return calls
 
 
