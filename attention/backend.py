@@ -7,26 +7,14 @@ plain-torch reference. `PAGEDRAY_ATTENTION_BACKEND=triton|cpu|torch` forces one.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from pagedray.attention import cpu_kernels, torch_ref
+from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 
 ENV_VAR = "PAGEDRAY_ATTENTION_BACKEND"
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """The three paged operations a model step needs, bound to one implementation."""
-
-    name: str
-    store_kv: Callable[..., None]  # (key, value, key_cache, value_cache, slot_mapping)
-    paged_attention: Callable[..., torch.Tensor]  # (query, key_cache, value_cache, metadata, scale)
-    copy_blocks: Callable[..., None]  # (kv_cache, src_block_ids, dst_block_ids)
-
 
 TORCH_BACKEND = AttentionBackend(
     name="torch",

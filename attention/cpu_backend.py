@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedray.attention import cpu_kernels, torch_ref
-from pagedray.attention.backend import AttentionBackend
+from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 
 

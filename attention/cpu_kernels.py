@@ -28,10 +28,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedray.cache_dir import cache_dir
+
+# A function of a loaded C library (ctypes' own type for it is private).
+CFunction = Any
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +192,7 @@ def parallel_width(num_threads: int) -> int:
 
 
 @functools.cache
-def _entry_points() -> dict[torch.dtype, ctypes._CFuncPtr]:
+def _entry_points() -> dict[torch.dtype, CFunction]:
     lib = _library()
     names = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
     if lib.has_f16():
@@ -384,7 +388,7 @@ _PREFILL_ARGTYPES += [_I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
 
 
 @functools.cache
-def _prefill_entry_points() -> dict[torch.dtype, ctypes._CFuncPtr]:
+def _prefill_entry_points() -> dict[torch.dtype, CFunction]:
     lib = _library()
     entries = {}
     for dtype, name in (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedray.attention.backend import AttentionBackend
+from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 from pagedray.attention.triton_copy_blocks import copy_blocks
 from pagedray.attention.triton_decode import decode_attention

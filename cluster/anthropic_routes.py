@@ -6,8 +6,8 @@ through the chat path (`IngressBase._start_chat`): admission, routing, tool cons
 metrics apply unchanged. Its errors are put in Anthropic's shape by `AnthropicErrors`.
 """
 
-# NOTE: no `from __future__ import annotations`, as in openai_app.py: FastAPI must resolve the
-# routes' annotations (`Request`) wherever Serve unpickles them.
+# NOTE: no `from __future__ import annotations`, as in ingress_deployment.py: FastAPI must
+# resolve the routes' annotations (`Request`) wherever Serve unpickles them.
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +29,6 @@ from pagedray.openai.schema import request_body, responses
 from pagedray.openai.serving import bad_request, engine_error_response, renamed_fields
 
 router = APIRouter()
-_ERRORS = {"error_model": AnthropicErrorResponse}
 
 
 def _chat_request(body: dict[str, Any], stream: bool = False) -> ChatCompletionRequest | Response:
@@ -45,7 +44,7 @@ class AnthropicRoutes(IngressBase):
     @router.post(
         "/v1/messages",
         openapi_extra=request_body(MessagesRequest),
-        responses=responses(None, stream=True, **_ERRORS),
+        responses=responses(None, stream=True, error_model=AnthropicErrorResponse),
     )
     async def create_message(self, raw: Request) -> Response:
         """A Message, whole or streamed as Anthropic's events (`stream: true`)."""
@@ -74,7 +73,9 @@ class AnthropicRoutes(IngressBase):
     @router.post(
         "/v1/messages/count_tokens",
         openapi_extra=request_body(CountTokensRequest),
-        responses=responses(None, errors=(400, 401, 404, 413, 500, 503), **_ERRORS),
+        responses=responses(
+            None, errors=(400, 401, 404, 413, 500, 503), error_model=AnthropicErrorResponse
+        ),
     )
     async def count_message_tokens(self, raw: Request) -> Response:
         """`{"input_tokens": N}`: the conversation, system prompt and tools as the chat template

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import pickle
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, cast
 
 from ray import serve
 from ray.serve import Deployment
@@ -84,9 +85,12 @@ class EngineDeployment:
         """`engine_builder` (default `build_engine`) lets tests inject a faulty engine."""
         self.config = _with_serving_threads(EngineConfig.model_validate(config))
         if engine_builder is None:
+            # In the replica: the driver that builds the app needs neither.
+            from pagedray.cluster.ray_executor import executor_factory
             from pagedray.engine.engine_factory import build_engine
 
-            engine_builder = build_engine
+            make_executor = executor_factory(self.config)
+            engine_builder = functools.partial(build_engine, make_executor=make_executor)
         # Built on the thread that will step it (see workers/compute_thread.py).
         engine, self.executor, _, _ = compute_thread().run(engine_builder, self.config)
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
@@ -104,7 +108,7 @@ class EngineDeployment:
         # With KV cache events on, routers follow this engine's prefix cache (subscribe_kv).
         self.kv_index = KVIndexPublisher() if self.config.enable_kv_cache_events else None
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[RequestStepOutput]:
+    async def generate(self, request: dict[str, Any]) -> AsyncGenerator[RequestStepOutput, None]:
         """Stream a request's per-step outputs; the first item says whether it was accepted.
 
         `request` holds request_id, prompt_token_ids, sampling_params (a validated
@@ -219,13 +223,13 @@ class EngineDeployment:
         needs; the first health check comes before any request. Nothing is lost meanwhile: the
         recorder keeps every change from the engine's start (or a snapshot) for the first take.
         """
-        core = self.engine.engine
+        core = self.engine.core
         if self.kv_index is not None and core.kv_delta_listener is None:
             core.kv_delta_listener = self.kv_index.listener(asyncio.get_running_loop())
 
     def _add_request(
         self, request: dict[str, Any], sink: Sink | None = None
-    ) -> AsyncIterator[RequestStepOutput]:
+    ) -> AsyncGenerator[RequestStepOutput, None]:
         self._publish_kv_deltas()
         return self.engine.add_request(
             request["request_id"],
@@ -331,7 +335,7 @@ def engine_deployment_options(
         "graceful_shutdown_timeout_s": drain_timeout_s(config),
         "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
         "request_router_config": RequestRouterConfig(
-            request_router_class=EngineRequestRouter,
+            request_router_class=cast(Any, EngineRequestRouter),  # a class, or its import path
             request_router_kwargs={
                 "load_threshold": routing_load_threshold,
                 "model_name": config.served_name(),
@@ -353,7 +357,10 @@ def drain_timeout_s(config: EngineConfig) -> float:
 
 def engine_deployment(config: EngineConfig, **options: Any) -> Deployment:
     """The engine deployment configured for `config` (see `engine_deployment_options`)."""
-    return EngineDeployment.options(**engine_deployment_options(config, **options))
+    # NOTE: `serve.deployment` made the class a Deployment, which mypy cannot see.
+    return cast(Deployment, EngineDeployment).options(
+        **engine_deployment_options(config, **options)
+    )
 
 
 def _ray_ready() -> bool:

@@ -18,18 +18,18 @@ from pydantic import ValidationError
 from ray.serve.handle import DeploymentHandle
 
 # NOTE: the module, not its `KV_VIEWS`: the ingress's routes are pickled by value, and a name
-# bound by value would carry a copy of the views, not this process's (see openai_app.py).
+# bound by value would carry a copy of the views, not this process's (see ingress_deployment.py).
 from pagedray.cluster import kv_views
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.kv_views import ROUTING_HASHES_KEY
 from pagedray.engine.config import EngineConfig
-from pagedray.engine.prompts import PromptValidator, ValidatedPrompt
+from pagedray.engine.prompt_validator import PromptValidator, ValidatedPrompt
+from pagedray.openai.answers import AnswerContext
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.output_subscriber import OutputSubscriber
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
 from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
 from pagedray.openai.request_body import BodyError
-from pagedray.openai.responses import ResponseContext
 from pagedray.openai.serving import (
     LogprobFormatter,
     bad_request,
@@ -59,7 +59,7 @@ class IngressBase:
 
     async def _start_chat(
         self, request_id: str, body: ChatCompletionRequest
-    ) -> tuple[ResponseContext, EngineStreams] | Response:
+    ) -> tuple[AnswerContext, EngineStreams] | Response:
         """Template, tokenize and validate a chat request, then submit it; the error response if
         it is refused. Chat completions and the Responses API both come through here."""
         await self._learn_limits()
@@ -67,7 +67,7 @@ class IngressBase:
             params, prompt = await self._in_thread(chat_prompt, self.validator, body)
         except ValueError as exc:
             return bad_request(exc)
-        ctx = ResponseContext(
+        ctx = AnswerContext(
             request_id=request_id,
             model=self.model_name,
             n=params.n,
@@ -137,7 +137,7 @@ class IngressBase:
         stream: bool,
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt; an error response if any is refused."""
-        requests = [
+        requests: list[dict[str, Any]] = [
             {
                 "request_id": request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 "prompt_token_ids": prompt.token_ids,

@@ -24,7 +24,7 @@ REQUEST_LATENCY_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
-BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024]
+BATCH_SIZE_BUCKETS = [1.0, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024]
 # Upper bounds, which include the value; Ray takes positive bounds only, so a miss (0 blocks)
 # has the first bucket, 0.5, to itself.
 MATCHED_BLOCKS_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
@@ -134,7 +134,7 @@ class EngineMetrics:
         """The counters' series that exist at 0 before anything is counted (tags beyond the
         model name)."""
         tagged = (self.request_success, self.structured_output_requests)
-        series = [
+        series: list[tuple[Counter, dict[str, str]]] = [
             (metric, {})
             for metric in vars(self).values()
             if isinstance(metric, Counter) and all(metric is not t for t in tagged)

@@ -115,18 +115,18 @@ def _zero_family(
     name, keys = "ray_" + info["name"], list(info["tag_keys"])
     extra = [key for key in keys if key != "model_name"]
     if isinstance(metric, Counter):
-        family: Metric = CounterMetricFamily(name, info["description"], labels=keys)
+        counter = CounterMetricFamily(name, info["description"], labels=keys)
         for tags in zero_tags.get(info["name"], []):
-            family.add_metric([model_name if k == "model_name" else tags[k] for k in keys], 0.0)
-        return family
+            counter.add_metric([model_name if k == "model_name" else tags[k] for k in keys], 0.0)
+        return counter
     label_sets = [{"route": route} for route in GENERATION_ROUTES] if extra == ["route"] else [{}]
     if extra and extra != ["route"]:
         label_sets = []  # series named by values not known in advance
     if isinstance(metric, Gauge):
-        family = GaugeMetricFamily(name, info["description"], labels=keys)
+        gauge = GaugeMetricFamily(name, info["description"], labels=keys)
         for tags in label_sets:
-            family.add_metric([model_name if k == "model_name" else tags[k] for k in keys], 0.0)
-        return family
+            gauge.add_metric([model_name if k == "model_name" else tags[k] for k in keys], 0.0)
+        return gauge
     family = HistogramMetricFamily(name, info["description"], labels=keys)
     buckets = [(repr(float(b)), 0.0) for b in info["boundaries"]] + [("+Inf", 0.0)]
     for tags in label_sets:

@@ -45,7 +45,8 @@ def ensure_ray(address: str | None = None, min_cpus: int = 1) -> None:
 def engine_bundles(tensor_parallel_size: int, use_gpu: bool) -> list[dict[str, float]]:
     """The bundles of one engine: the engine's own, then one per rank (1 GPU each on GPU)."""
     rank_bundle: dict[str, float] = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    return [{"CPU": 1}] + [dict(rank_bundle) for _ in range(tensor_parallel_size)]
+    head: dict[str, float] = {"CPU": 1}
+    return [head] + [dict(rank_bundle) for _ in range(tensor_parallel_size)]
 
 
 @dataclass

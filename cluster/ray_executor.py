@@ -10,15 +10,16 @@ millisecond of Ray task overhead per step; works wherever Ray does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pickle
 import time
 import uuid
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import ray
 from ray.actor import ActorHandle
-from ray.dag import InputNode, MultiOutputNode
+from ray.dag import DAGNode, InputNode, MultiOutputNode
 from ray.util.placement_group import PlacementGroup
 
 from pagedray.cluster.pipe_dispatch import PipeDispatcher
@@ -26,6 +27,10 @@ from pagedray.cluster.placement import EnginePlacement, ensure_ray, reserve_plac
 from pagedray.cluster.worker_actor import WorkerActor
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.worker_config import WorkerConfig
+
+if TYPE_CHECKING:  # types only: the engine factory imports the tokenizer libraries
+    from pagedray.engine.config import EngineConfig
+    from pagedray.engine.engine_factory import ExecutorFactory
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +56,9 @@ class ActorCallDispatcher:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # NOTE: wait for every rank, not just rank 0, so a failure on any rank surfaces here.
-        outputs = ray.get([w.execute_model.remote(scheduler_output) for w in self.workers])
+        outputs: list[ModelRunnerOutput] = ray.get(
+            [w.execute_model.remote(scheduler_output) for w in self.workers]
+        )
         return outputs[0]
 
     def shutdown(self) -> None:
@@ -72,7 +79,9 @@ class CompiledGraphDispatcher:
         with InputNode() as scheduler_output:
             # NOTE: every rank's output must be read, not only rank 0's, or results pile up
             # in the graph's buffers; ranks other than 0 return None, which costs little.
-            outputs = [w.execute_model_compiled.bind(scheduler_output) for w in workers]
+            outputs: list[DAGNode] = [
+                w.execute_model_compiled.bind(scheduler_output) for w in workers
+            ]
             dag = MultiOutputNode(outputs)
         self.graph = dag.experimental_compile(_submit_timeout=-1)
 
@@ -85,6 +94,14 @@ class CompiledGraphDispatcher:
 
     def shutdown(self) -> None:
         self.graph.teardown()
+
+
+def executor_factory(config: EngineConfig) -> ExecutorFactory | None:
+    """How `build_engine` should run `config`'s ranks: None (its default: the one rank in the
+    engine's process) or worker actors driven by a `RayExecutor` over `config.dispatch`."""
+    if config.in_process:
+        return None
+    return functools.partial(RayExecutor, dispatch=config.dispatch)
 
 
 class RayExecutor:
@@ -158,8 +175,10 @@ class RayExecutor:
         num_gpus = 1 if self.placement.use_gpu else 0
         engine = _engine_label()
         self.actor_names = [f"pagedray-{engine}-rank{r}" for r in range(cfg.tensor_parallel_size)]
+        # NOTE: Ray's decorator gives the class `options` at run time, which mypy cannot see.
+        actor_class: Any = WorkerActor
         self.workers = [
-            WorkerActor.options(
+            actor_class.options(
                 name=name,
                 num_cpus=1,
                 num_gpus=num_gpus,
@@ -170,7 +189,8 @@ class RayExecutor:
         self.actor_ids = ray.get([w.get_actor_id.remote() for w in self.workers])
         init_method = None
         if cfg.tensor_parallel_size > 1:
-            ip, port = ray.get(self.workers[0].get_node_ip_and_free_port.remote())
+            address: Any = ray.get(self.workers[0].get_node_ip_and_free_port.remote())
+            ip, port = cast(tuple[str, int], address)
             init_method = f"tcp://{ip}:{port}"
         # All ranks at once: the rendezvous returns only when every rank has joined.
         ray.get(
@@ -178,7 +198,8 @@ class RayExecutor:
         )
 
     def _init_kv_caches(self) -> int:
-        num_blocks = min(ray.get([w.determine_num_kv_blocks.remote() for w in self.workers]))
+        fits: list[int] = ray.get([w.determine_num_kv_blocks.remote() for w in self.workers])
+        num_blocks = min(fits)
         ray.get([w.init_kv_cache.remote(num_blocks) for w in self.workers])
         return num_blocks
 
@@ -191,7 +212,7 @@ class RayExecutor:
         if dispatch != "pipe":
             return dispatch
         here = ray.get_runtime_context().get_node_id()
-        nodes = set(ray.get([w.get_node_id.remote() for w in self.workers]))
+        nodes: set[str] = set(ray.get([w.get_node_id.remote() for w in self.workers]))
         if nodes == {here}:
             return dispatch
         logger.warning(

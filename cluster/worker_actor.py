@@ -34,7 +34,9 @@ class WorkerActor:
         self._step_lock = threading.Lock()
 
     def get_actor_id(self) -> str:
-        return ray.get_runtime_context().get_actor_id()
+        actor_id = ray.get_runtime_context().get_actor_id()
+        assert actor_id is not None  # called on an actor
+        return actor_id
 
     def get_node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", 
 def __getattr__(name: str):
     # NOTE: lazy so `import pagedray` (e.g. for SamplingParams) does not import torch.
     if name == "LLM":
-        from pagedray.engine.llm import LLM
+        from pagedray.llm import LLM
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):

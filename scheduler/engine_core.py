@@ -42,7 +42,6 @@ class EngineCore:
         """`structured`: compiles grammars for structured outputs (None: those are refused)."""
         self.scheduler = Scheduler(config, num_kv_blocks, eos_token_ids, structured)
         self.executor = executor
-        self.eos_token_ids = tuple(eos_token_ids)
         self.num_steps = 0
         self.last_step_time = 0.0  # seconds, time.monotonic() at the end of the last step
         self.last_step_duration = 0.0  # seconds
@@ -53,7 +52,7 @@ class EngineCore:
         self.kv_delta_listener: Callable[[KVCacheDelta], None] | None = None
 
     def add_request(self, engine_request: EngineRequest) -> None:
-        self.scheduler.add_request(Request(engine_request, eos_token_id=None))
+        self.scheduler.add_request(Request(engine_request))
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

@@ -71,10 +71,6 @@ class SchedulerOutput:
     # every step, and a CPU rank leaves it the cores it reserves (workers/cpu_threads.py).
     streaming: bool = True
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0 and not self.blocks_to_copy
-
 
 @dataclass
 class ModelRunnerOutput:

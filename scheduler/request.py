@@ -54,7 +54,6 @@ class Request:
     def __init__(
         self,
         engine_request: EngineRequest,
-        eos_token_id: int | None = None,
         parent_req_id: str | None = None,
         choice_index: int = 0,
     ) -> None:
@@ -64,7 +63,6 @@ class Request:
         self.arrival_time = engine_request.arrival_time or time.time()
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt
-        self.eos_token_id = eos_token_id
         self.parent_req_id = parent_req_id  # set on forked children
         self.choice_index = choice_index  # which of the parent's n outputs this is
         self.output_token_ids: list[int] = []
@@ -81,7 +79,6 @@ class Request:
         self.status = RequestStatus.WAITING
         # With structured outputs: the matcher of this sequence's output (the scheduler's).
         self.grammar: RequestGrammar | None = None
-        self.first_token_time: float | None = None
         self.scheduled_time: float | None = None  # first admission, for queue-time metrics
 
     @property
@@ -122,14 +119,12 @@ class Request:
                 priority=self.priority,
                 cache_salt=self.cache_salt,
             ),
-            eos_token_id=self.eos_token_id,
             parent_req_id=self.req_id,
             choice_index=choice_index,
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.scheduled_time = self.scheduled_time
-        child.first_token_time = self.first_token_time
         return child
 
     def __repr__(self) -> str:

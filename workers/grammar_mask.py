@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagedray.attention import cpu_kernels
+from pagedray.attention.cpu_kernels import CFunction
 from pagedray.scheduler.messages import GrammarBitmask
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -70,7 +71,7 @@ def _apply_torch(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> No
 
 
 @functools.cache
-def _c_entry() -> ctypes._CFuncPtr | None:
+def _c_entry() -> CFunction | None:
     if not cpu_kernels.available():
         return None
     fn = cpu_kernels.library().apply_token_bitmask_f32

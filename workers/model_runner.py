@@ -12,11 +12,12 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from pagedray.attention.backend import AttentionBackend
+from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedray.workers.grammar_mask import apply_grammar_bitmask
 from pagedray.workers.input_batch import InputBatch
+from pagedray.workers.models.llama import LlamaForCausalLM
 from pagedray.workers.sampler import Sampler, SamplingRow, token_logprobs
 
 # Rows of prompt-logprob logits computed at once (each a full vocabulary of float32).
@@ -28,7 +29,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         attention: AttentionBackend,
         sampler: Sampler | None,  # None on ranks other than 0

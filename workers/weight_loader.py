@@ -33,12 +33,6 @@ WeightSource = torch.Tensor | SafeSlice
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def weight_shape(weight: WeightSource) -> tuple[int, ...]:
-    if isinstance(weight, torch.Tensor):
-        return tuple(weight.shape)
-    return tuple(weight.get_shape())
-
-
 def narrow_weight(weight: WeightSource, dim: int, start: int, length: int) -> torch.Tensor:
     """`weight[..., start:start + length, ...]` along `dim`, reading only that part from disk."""
     if isinstance(weight, torch.Tensor):

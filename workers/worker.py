@@ -6,6 +6,8 @@ way the scheduler reaches it only through `SchedulerOutput` and gets `ModelRunne
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pagedray.attention.backend import select_backend
@@ -60,16 +62,10 @@ class Worker:
             pack_module_weights(self.model)
         self.runner: ModelRunner | None = None
 
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        return max(1, self.model_config.num_key_value_heads // self.config.tensor_parallel_size)
-
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block on this rank, over all layers, K and V."""
-        mc = self.model_config
-        elem = torch.tensor([], dtype=mc.dtype).element_size()
-        per_token = 2 * mc.num_hidden_layers * self.num_kv_heads_per_rank * mc.head_dim * elem
-        return per_token * self.config.block_size
+        elem = torch.tensor([], dtype=self.model_config.dtype).element_size()
+        return math.prod(self.model.kv_cache_shape(1, self.config.block_size)) * elem
 
     def determine_num_kv_blocks(self) -> int:
         """How many blocks fit this rank's budget; the cluster takes the minimum over ranks."""
@@ -94,14 +90,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = (
-            mc.num_hidden_layers,
-            2,
-            num_blocks,
-            self.config.block_size,
-            self.num_kv_heads_per_rank,
-            mc.head_dim,
-        )
+        shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
         # NOTE: zeros, not empty: padded attention reads unused slots with zero weight, and
         # 0 * NaN from uninitialised memory would poison the output.
         if self.device.type == "cpu":

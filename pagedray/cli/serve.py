@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedray.cli.console import quiet_ray_console, say
+from pagedray.cli.engine_args import add_engine_args, engine_kwargs
 from pagedray.cli.serve_runtime import (
     QuietReconnect,
     StartupFailed,
@@ -41,7 +42,6 @@ RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 def add_serve_parser(commands: Any) -> None:
     """Register the `serve` subcommand (called by `cli.main`)."""
-    from pagedray.cli.main import add_engine_args
     from pagedray.engine.config import EngineConfig
 
     dispatch = EngineConfig.model_fields["dispatch"]
@@ -174,7 +174,6 @@ def add_serve_parser(commands: Any) -> None:
 
 def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
     """The `build_app` arguments for parsed `serve` flags (None = the default)."""
-    from pagedray.cli.main import engine_kwargs
 
     app_args: dict[str, Any] = {
         "model": args.model,
@@ -366,7 +365,7 @@ def _keep_ray_on_loopback() -> None:
     os.environ[RAY_CLUSTER_ENV] = "0"
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
-        constants.ENABLE_RAY_CLUSTER = False
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 - a module's constant
 
 
 def _bind_ray_to(host: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from pagedray.engine.admission import (
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -30,16 +30,13 @@ from pagedray.engine.request_errors import (
     RequestFailedError,
 )
 from pagedray.engine.request_stream import RequestStream, Sink
-from pagedray.engine.step_metrics import StepMetricsRecorder
+from pagedray.engine.step_metrics import EngineMetrics, StepMetricsRecorder
 from pagedray.engine.step_outputs import RequestStepOutput, usage_of
 from pagedray.engine.step_runner import FinishedStep, StepRunner
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.compute_thread import compute_thread
-
-if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
-    from pagedray.cluster.metrics import EngineMetrics
 
 # A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
 DEFAULT_STUCK_AFTER_S = 120.0
@@ -62,21 +59,21 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: EngineCore,
+        core: EngineCore,
         output_processor: OutputProcessor,
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         metrics: EngineMetrics | None = None,
         request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> None:
         """`metrics`: recorded every step and at every finish; `request_timeout_s` None: none."""
-        self.engine = engine
+        self.core = core
         self.output_processor = output_processor
         self.stuck_after_s = stuck_after_s
         self.metrics = metrics
         self._recorder = StepMetricsRecorder(metrics)
-        config = engine.scheduler.config
+        config = core.scheduler.config
         max_num_waiting = config.max_num_waiting or default_max_num_waiting(
-            config.max_num_seqs, engine.scheduler.kv_cache_manager.num_blocks
+            config.max_num_seqs, core.scheduler.kv_cache_manager.num_blocks
         )
         self.admission = Admission(
             max_num_waiting, request_timeout_s, by_priority=config.policy == "priority"
@@ -86,9 +83,9 @@ class AsyncEngine:
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._runner = StepRunner(engine)
+        self._runner = StepRunner(core)
         self._error: BaseException | None = None
-        self._stats = self.engine.stats()  # a snapshot, refreshed only while no step runs
+        self._stats = self.core.stats()  # a snapshot, refreshed only while no step runs
 
     def start(self) -> None:
         """Start the loop on the running event loop (idempotent)."""
@@ -106,7 +103,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         stream_interval: int | None = 1,
         sink: Sink | None = None,
-    ) -> AsyncIterator[RequestStepOutput]:
+    ) -> AsyncGenerator[RequestStepOutput, None]:
         """Queue a validated request; returns its stream of outputs, merged per
         `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
 
@@ -124,7 +121,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         # Refused here, before the caller answers 200, rather than failing once queued.
-        self.engine.scheduler.check_limits(len(prompt_token_ids), params.n, params.max_tokens)
+        self.core.scheduler.check_limits(len(prompt_token_ids), params.n, params.max_tokens)
         displaced = self.admission.admit(self._num_waiting(), priority, self._not_started)
         if displaced is not None:
             self._fail(
@@ -180,20 +177,20 @@ class AsyncEngine:
             "healthy": error is None,
             "degraded": error is None and self.admission.degraded(self._num_waiting()),
             "error": error,
-            "num_steps": self.engine.num_steps,
+            "num_steps": self.core.num_steps,
         }
 
     def stats(self) -> dict[str, Any]:
         if self._runner.started is None:
-            self._stats = self.engine.stats()
+            self._stats = self.core.stats()
         return {
             **self._stats,
             "num_requests": len(self._streams),
             "num_pending": len(self._pending),
             "max_num_waiting": self.admission.max_num_waiting,
-            "max_model_len": self.engine.scheduler.max_model_len,
-            "last_step_duration": self.engine.last_step_duration,
-            "last_batch_size": self.engine.last_batch_size,
+            "max_model_len": self.core.scheduler.max_model_len,
+            "last_step_duration": self.core.last_step_duration,
+            "last_batch_size": self.core.last_batch_size,
             "healthy": self.health()["healthy"],
         }
 
@@ -218,7 +215,7 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_pending()
-                if not self.engine.has_unfinished_requests():
+                if not self.core.has_unfinished_requests():
                     if finished_step is not None:
                         self._complete(finished_step)
                         finished_step = None
@@ -274,7 +271,7 @@ class AsyncEngine:
         finished_step.advanced = self.output_processor.advanced(finished_step.outputs)
         finished_step.deltas, stopped = self.output_processor.process(finished_step.outputs)
         if stopped:
-            self.engine.stop_requests(stopped)
+            self.core.stop_requests(stopped)
         self._stats = finished_step.stats
 
     def _complete(self, finished_step: FinishedStep) -> None:
@@ -303,7 +300,7 @@ class AsyncEngine:
             return  # nothing changed: the stats snapshot of the last step stands
         if self._pending_aborts:
             aborts, self._pending_aborts = list(self._pending_aborts), set()
-            self.engine.abort_requests(aborts)
+            self.core.abort_requests(aborts)
             for request_id in aborts:
                 self._recorder.aborted(request_id, self.output_processor.requests.get(request_id))
                 self.output_processor.abort(request_id)
@@ -311,7 +308,7 @@ class AsyncEngine:
         for item in pending:
             request = item.engine_request
             try:
-                self.engine.add_request(request)
+                self.core.add_request(request)
             except OverflowError as exc:
                 self._fail(request.req_id, EngineOverloadedError(str(exc)))
                 continue
@@ -327,8 +324,8 @@ class AsyncEngine:
                 request.req_id, item.prompt, request.prompt_token_ids, params, item.at_end
             )
             state.arrival_time = request.arrival_time
-            self._recorder.admitted(self.engine.scheduler.requests[request.req_id])
-        self._stats = self.engine.stats()
+            self._recorder.admitted(self.core.scheduler.requests[request.req_id])
+        self._stats = self.core.stats()
 
     def _publish(self, by_request: dict[str, list[ChoiceDelta]]) -> None:
         for request_id, request_deltas in by_request.items():
@@ -369,7 +366,7 @@ class AsyncEngine:
     def _check_workers(self) -> None:
         """Between steps, an executor that can tell (`dead_rank`) is asked whether a rank died:
         the engine is then dead at once, its requests failed, rather than at the next step."""
-        dead_rank = getattr(self.engine.executor, "dead_rank", None)
+        dead_rank = getattr(self.core.executor, "dead_rank", None)
         if self._error is not None or self._runner.started is not None or dead_rank is None:
             return
         rank = dead_rank()
@@ -383,7 +380,7 @@ class AsyncEngine:
         # NOTE: a step may be in flight; list() copies the queue in one go (the GIL holds), and
         # a request admitted meanwhile that is then picked is aborted like any other.
         pending = [item.engine_request for item in self._pending.values()]
-        waiting = list(self.engine.scheduler.waiting)
+        waiting = list(self.core.scheduler.waiting)
         return not_started(
             pending, waiting, lambda rid: rid in self._streams and rid not in self._pending_aborts
         )

@@ -73,6 +73,11 @@ class EngineConfig(BaseModel):
             return [value] if value else None
         return value
 
+    @property
+    def in_process(self) -> bool:
+        """Whether its one rank runs in the engine's own process, rather than as Ray actors."""
+        return self.tensor_parallel_size == 1 and not self.use_ray_workers
+
     def served_names(self) -> list[str]:
         """Every name clients may send as `model`, `served_name()` first."""
         return list(self.served_model_name or [Path(self.model).name])

@@ -3,17 +3,18 @@ the scheduler sized with that number, and the tokenizer-side validator."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.executor import UniProcExecutor
-from pagedray.engine.prompts import PromptValidator
+from pagedray.engine.prompt_validator import PromptValidator
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.grammar import StructuredOutputManager
 from pagedray.workers.model_config import ModelConfig
+from pagedray.workers.worker_config import WorkerConfig
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -46,18 +47,26 @@ def structured_output_manager(
     )
 
 
-def build_executor(config: EngineConfig, max_model_len: int) -> Any:
-    worker_config = config.worker_config(max_model_len)
-    if config.tensor_parallel_size == 1 and not config.use_ray_workers:
-        return UniProcExecutor(worker_config)
-    from pagedray.cluster.ray_executor import RayExecutor
-
-    return RayExecutor(worker_config, dispatch=config.dispatch)
+# Makes the executor that runs the ranks, from their config: `UniProcExecutor` for one rank in
+# this process; the Ray executor's (pagedray.cluster.ray_executor.executor_factory) for worker
+# actors. Passed in, as the engine sits below Ray's layer and never imports it.
+ExecutorFactory = Callable[[WorkerConfig], Any]
 
 
-def build_engine(config: EngineConfig) -> tuple[EngineCore, Any, Any, PromptValidator]:
+def build_engine(
+    config: EngineConfig, make_executor: ExecutorFactory | None = None
+) -> tuple[EngineCore, Any, Any, PromptValidator]:
+    """The engine core (its executor first: it learns how many KV blocks fit), the executor, the
+    tokenizer and the prompt validator. `make_executor` None: the one rank in this process."""
     max_model_len = config.resolved_max_model_len()
-    executor = build_executor(config, max_model_len)
+    if make_executor is None:
+        if not config.in_process:
+            raise ValueError(
+                "tensor_parallel_size: this config runs its ranks as Ray actors; pass the Ray "
+                "executor's factory (pagedray.cluster.ray_executor.executor_factory)"
+            )
+        make_executor = UniProcExecutor
+    executor = make_executor(config.worker_config(max_model_len))
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
     tokenizer = load_tokenizer(config)
     engine = EngineCore(

@@ -11,7 +11,7 @@ batches a step's messages for many requests into one).
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from typing import AsyncGenerator, Callable
 
 from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer, merge_step_outputs
 
@@ -38,7 +38,7 @@ class RequestStream:
         """End the stream with `exc`; what was held is dropped (the request failed)."""
         self.send(exc)
 
-    async def read(self, on_close: Callable[[], None]) -> AsyncIterator[RequestStepOutput]:
+    async def read(self, on_close: Callable[[], None]) -> AsyncGenerator[RequestStepOutput, None]:
         """The outputs until the finished one (or the failure, raised); closing or cancelling it
         before the end calls `on_close` (which aborts the request)."""
         finished = False

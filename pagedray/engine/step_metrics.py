@@ -5,14 +5,44 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedray.engine.output_processor import RequestState
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import Request
 
-if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
-    from pagedray.cluster.metrics import EngineMetrics
+
+class EngineMetrics(Protocol):
+    """What the loop records into: Ray's metrics in a served engine (cluster/metrics.py, whose
+    `EngineMetrics` this describes), injected, so the engine itself imports no Ray."""
+
+    def record_stats(self, stats: dict[str, float]) -> None: ...
+
+    def record_step(
+        self,
+        step_time: float,
+        batch_size: int,
+        num_generation_tokens: int,
+        inter_token_latencies: list[float],
+    ) -> None: ...
+
+    def record_structured_request(self, kind: str) -> None: ...
+
+    def record_grammar(
+        self, bitmask_duration: float | None, compile_times: tuple[float, ...]
+    ) -> None: ...
+
+    def record_prefilled(self, num_prompt_tokens: int) -> None: ...
+
+    def record_finished(
+        self,
+        finished_reason: str,
+        num_prompt_tokens: int,
+        arrival_time: float,
+        scheduled_time: float | None,
+        first_token_time: float,
+        finish_time: float,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)

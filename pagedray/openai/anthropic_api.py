@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from pagedray.openai.protocol import chat_tool_call
+
 # What a chat request's error names, in the field this API calls it.
 CHAT_TO_ANTHROPIC_FIELDS = {
     "stop": "stop_sequences",
@@ -261,7 +263,8 @@ def _chat_messages(message: AnthropicMessage) -> list[dict[str, Any]]:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
-            calls.append(chat_tool_call(block.id, block.name, block.input))
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(chat_tool_call(block.id, block.name, arguments))
         elif isinstance(block, ToolResultBlock):
             content = block.text()
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
@@ -272,12 +275,6 @@ def _chat_messages(message: AnthropicMessage) -> list[dict[str, Any]]:
     elif text or not results:
         chat.append({"role": message.role, "content": text})
     return chat
-
-
-def chat_tool_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """A `tool_use` block as a chat tool call (its input as the JSON arguments string)."""
-    encoded = json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": encoded}}
 
 
 def _chat_tool(tool: AnthropicTool) -> dict[str, Any]:
@@ -302,6 +299,5 @@ __all__ = [
     "CHAT_TO_ANTHROPIC_FIELDS",
     "CountTokensRequest",
     "MessagesRequest",
-    "chat_tool_call",
     "to_chat_body",
 ]

@@ -13,10 +13,10 @@ import json
 import secrets
 from typing import Any, AsyncIterator
 
+from pagedray.openai.answers import AnswerContext, StreamError, chat_response, choice_deltas
 from pagedray.openai.anthropic_errors import anthropic_error
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.protocol import ChatCompletionResponse
-from pagedray.openai.responses import ResponseContext, StreamError, chat_response, choice_deltas
 from pagedray.openai.serving import LINE_BREAKS_IN_JSON, UsageCounter
 
 
@@ -107,7 +107,7 @@ def _closers(text: str) -> str | None:
 
 
 async def whole_message(
-    message_id: str, ctx: ResponseContext, streams: EngineStreams
+    message_id: str, ctx: AnswerContext, streams: EngineStreams
 ) -> dict[str, Any]:
     """The finished Message, or the engine's error dict (which has a "status")."""
     result = await chat_response(ctx, streams)
@@ -187,7 +187,7 @@ class _Blocks:
 
 
 async def message_events(
-    message_id: str, ctx: ResponseContext, streams: EngineStreams
+    message_id: str, ctx: AnswerContext, streams: EngineStreams
 ) -> AsyncIterator[str]:
     """The Message as Anthropic's events; an engine failure mid-stream is an `error` event."""
     start: dict[str, Any] = {

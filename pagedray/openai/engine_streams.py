@@ -2,7 +2,7 @@
 
 One client request may be several engine requests (a batch of completion prompts); their streams
 are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them
-(`responses.py`). The engine streams token ids; the text, stop strings included, is made here
+(`answers.py`). The engine streams token ids; the text, stop strings included, is made here
 (`RequestText`).
 """
 

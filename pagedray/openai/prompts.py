@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from pagedray.engine.prompts import PromptValidator, ValidatedPrompt
+from pagedray.engine.prompt_validator import PromptValidator, ValidatedPrompt
 from pagedray.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

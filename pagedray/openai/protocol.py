@@ -236,6 +236,12 @@ class _ChatEndingFields(BaseModel):
         return ChatEnding(self.add_generation_prompt, self.continue_final_message)
 
 
+def chat_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """One tool call as a chat assistant message holds it (`arguments`: a JSON object's text):
+    what the Responses and Anthropic APIs make of the calls they are sent back."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = _bounded(None, **_COUNT)

@@ -12,6 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from pagedray.openai.protocol import chat_tool_call
 from pagedray.openai.serving import LINE_BREAKS_IN_JSON
 
 if TYPE_CHECKING:  # only a type here; responses_api re-exports this module's API
@@ -140,11 +141,6 @@ def response_reply(response: dict) -> tuple[str | None, list[dict]]:
         if item["type"] == "function_call"
     ]
     return ("".join(texts) if texts else None), calls
-
-
-def chat_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    """One tool call in chat format."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def response_object(

@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`/v1/responses`) as a translation onto our chat-completions path.
 
 A Responses request becomes a chat body (`to_chat_body`), the chat result becomes a Response
-object (`build_response`, in `response_objects` and re-exported here), and the conversation is
-stored so `previous_response_id` can continue it (`conversation_after`). No engine, no Ray.
+object (`response_objects.build_response`), and the conversation is stored so
+`previous_response_id` can continue it (`conversation_after`). No engine, no Ray.
 """
 
 from __future__ import annotations
@@ -12,31 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from pagedray.openai.response_objects import (
-    ResponseEventStream,
-    build_response,
-    chat_tool_call,
-    error_event,
-    new_call_id,
-    new_response_id,
-    response_reply,
-    sse_event,
-)
-
-__all__ = [
-    "NUM_INSTRUCTION_MESSAGES_KEY",
-    "ResponseEventStream",
-    "ResponsesRequest",
-    "build_response",
-    "chat_tool_call",
-    "conversation_after",
-    "error_event",
-    "new_call_id",
-    "new_response_id",
-    "response_reply",
-    "sse_event",
-    "to_chat_body",
-]
+from pagedray.openai.protocol import chat_tool_call
 
 # The key under which `to_chat_body` records how many leading messages came from
 # `instructions`; ChatCompletionRequest ignores unknown keys, and `conversation_after` drops those

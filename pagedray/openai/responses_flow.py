@@ -14,10 +14,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 
+from pagedray.openai.answers import AnswerContext, StreamError, chat_response, choice_deltas
 from pagedray.openai.engine_streams import EngineStreams
-from pagedray.openai.response_objects import ResponseEventStream, build_response, sse_event
-from pagedray.openai.responses import ResponseContext, StreamError, chat_response, choice_deltas
-from pagedray.openai.responses_api import ResponsesRequest, conversation_after, response_reply
+from pagedray.openai.response_objects import (
+    ResponseEventStream,
+    build_response,
+    response_reply,
+    sse_event,
+)
+from pagedray.openai.responses_api import ResponsesRequest, conversation_after
 from pagedray.openai.serving import UsageCounter, renamed_fields
 
 # Called with (response, record) once a response is complete and `store` is set.
@@ -44,7 +49,7 @@ class ResponseJob:
 
 
 async def whole_response(
-    job: ResponseJob, ctx: ResponseContext, streams: EngineStreams, save: Save | None
+    job: ResponseJob, ctx: AnswerContext, streams: EngineStreams, save: Save | None
 ) -> dict[str, Any]:
     """The finished Response, or the engine's error dict (which has a "status")."""
     result = await chat_response(ctx, streams)
@@ -68,7 +73,7 @@ async def whole_response(
 
 
 async def response_events(
-    job: ResponseJob, ctx: ResponseContext, streams: EngineStreams, save: Save | None
+    job: ResponseJob, ctx: AnswerContext, streams: EngineStreams, save: Save | None
 ) -> AsyncIterator[str]:
     """The Response's events as SSE, from `response.created` to `response.completed`; an engine
     failure mid-stream becomes an `error` event."""

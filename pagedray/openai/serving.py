@@ -9,14 +9,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.engine.prompts import ParamError
+from pagedray.engine.prompt_validator import ParamError
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.openai.protocol import (
     ChatTokenLogprob,
@@ -26,8 +26,14 @@ from pagedray.openai.protocol import (
     UsageInfo,
 )
 
-if TYPE_CHECKING:  # Ray's metrics are injected; the type alone imports no Ray
-    from pagedray.cluster.metrics import IngressMetrics
+
+class IngressMetrics(Protocol):
+    """What the middleware records into: Ray's metrics in the served ingress
+    (cluster/metrics.py, whose `IngressMetrics` this describes), injected, so this layer
+    imports no Ray."""
+
+    def record(self, route: str, status: int, latency: float) -> None: ...
+
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds a client is told to wait after a 503 that names no time of its own.

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pagedray.cli.main import add_engine_args, engine_kwargs
+from pagedray.cli.engine_args import add_engine_args, engine_kwargs
 from pagedray.cli.serve import add_serve_parser, serve_app_args
 from pagedray.cli.vllm_flags import human_readable_int
 from pagedray.engine.config import EngineConfig

@@ -1,7 +1,8 @@
-"""CORS on the ingress's own middleware stack (cluster/openai_app.py's `app`, its replica stood
-in for): a browser's preflight is answered without the API key and never reaches the metrics
-middleware (it is no request of a route); every other answer carries the allow-origin header, a
-refusal by the guard included. Through Ray Serve over HTTP: tests/cluster/test_openai_server.py.
+"""CORS on the ingress's own middleware stack (cluster/ingress_deployment.py's `app`, its
+replica stood in for): a browser's preflight is answered without the API key and never reaches
+the metrics middleware (it is no request of a route); every other answer carries the
+allow-origin header, a refusal by the guard included. Through Ray Serve over HTTP:
+tests/cluster/test_openai_server.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.types import Receive, Scope, Send
 
-from pagedray.cluster import openai_app
+from pagedray.cluster import ingress_deployment
 from pagedray.openai.cors import CORSSettings
 from pagedray.openai.ingress_guard import GuardSettings, api_key_digest
 from pagedray.openai.serving import HTTPMetricsMiddleware
@@ -31,7 +32,7 @@ def _client(monkeypatch: pytest.MonkeyPatch, cors: CORSSettings) -> tuple[TestCl
     """A client of the app as a replica with `cors` and an API key runs it, and the paths of
     the requests that reached the metrics middleware."""
     replica = SimpleNamespace(guard=GuardSettings(api_key_digest(KEY)), cors=cors)
-    monkeypatch.setattr(openai_app, "_replica", lambda: replica)
+    monkeypatch.setattr(ingress_deployment, "_replica", lambda: replica)
     measured: list[str] = []
     measure = HTTPMetricsMiddleware.__call__
 
@@ -41,8 +42,8 @@ def _client(monkeypatch: pytest.MonkeyPatch, cors: CORSSettings) -> tuple[TestCl
 
     monkeypatch.setattr(HTTPMetricsMiddleware, "__call__", seen)
     # A fresh middleware stack (and CORS middleware) for this replica; the app's is restored.
-    monkeypatch.setattr(openai_app.app, "middleware_stack", None)
-    return TestClient(openai_app.app), measured
+    monkeypatch.setattr(ingress_deployment.app, "middleware_stack", None)
+    return TestClient(ingress_deployment.app), measured
 
 
 def test_preflight_needs_no_key_and_counts_for_no_route(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,7 +183,7 @@ def test_engine_records_steps_and_finished_requests(
         await engine.shutdown()
 
     asyncio.run(run())
-    num_steps = engine.engine.num_steps
+    num_steps = engine.core.num_steps
     assert len(recorders["step_time"].values) == len(recorders["batch_size"].values) == num_steps
     # Each sequence is in one prefill step (short prompts) and MAX_TOKENS - 1 decode steps.
     assert recorders["batch_size"].total == len(prompts) * MAX_TOKENS
@@ -335,8 +335,8 @@ def test_ray_exports_what_the_engine_records(ray_cluster: Any, tiny_llama: str) 
             "ray_pagedray_prompt_tokens_total": float(sum(map(len, prompts)) + len(prompts[0])),
             "ray_pagedray_structured_output_requests_total": 1.0,  # {kind="choice"}, 0 for others
             "ray_pagedray_grammar_compile_seconds_count": 1.0,
-            "ray_pagedray_step_time_seconds_count": float(engine.engine.num_steps),
-            "ray_pagedray_batch_size_count": float(engine.engine.num_steps),
+            "ray_pagedray_step_time_seconds_count": float(engine.core.num_steps),
+            "ray_pagedray_batch_size_count": float(engine.core.num_steps),
             "ray_pagedray_num_requests_running": 0.0,
             "ray_pagedray_num_requests_waiting": 0.0,
             "ray_pagedray_kv_cache_usage_perc": 0.0,

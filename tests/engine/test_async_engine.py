@@ -109,7 +109,7 @@ def test_failing_step_fails_requests_and_kills_health(tiny_llama: str) -> None:
         def step(streaming: bool = True) -> list[Any]:
             raise RuntimeError("boom")
 
-        engine.engine.step = step  # type: ignore[method-assign]
+        engine.core.step = step  # type: ignore[method-assign]
         with pytest.raises(EngineDeadError, match="boom"):
             await _drain(engine.add_request("r", tokenizer.encode("hi"), GREEDY))
         health = engine.health()
@@ -124,13 +124,13 @@ def test_stuck_step_is_unhealthy(tiny_llama: str) -> None:
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama)
         release = threading.Event()
-        real_step = engine.engine.step
+        real_step = engine.core.step
 
         def slow_step(streaming: bool = True) -> list[Any]:
             release.wait(5)
             return real_step(streaming)
 
-        engine.engine.step = slow_step  # type: ignore[method-assign]
+        engine.core.step = slow_step  # type: ignore[method-assign]
         stream = engine.add_request("r", tokenizer.encode("hi"), GREEDY)
         task = asyncio.create_task(_drain(stream))
         await asyncio.sleep(0.4)  # past stuck_after_s=0.2
@@ -373,7 +373,7 @@ def test_a_step_runs_on_every_core_while_no_request_streams_or_mostly_prompt(
 
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama, quiet_num_threads=2)
-        runner = engine.engine.executor.worker.runner
+        runner = engine.core.executor.worker.runner
         execute, threads_by_step = runner.execute_model, []
 
         def counting_threads(plan: Any) -> Any:  # on the compute thread, as the step runs

@@ -46,11 +46,11 @@ def _counting_runs(engine: AsyncEngine) -> list[int]:
     run = runner.run
 
     def counted(loop: Any, hand_over: Any, may_go_on: Any) -> FinishedStep:
-        first = engine.engine.num_steps
+        first = engine.core.num_steps
         try:
             return run(loop, hand_over, may_go_on)
         finally:
-            steps_by_run.append(engine.engine.num_steps - first)
+            steps_by_run.append(engine.core.num_steps - first)
 
     runner.run = counted  # type: ignore[method-assign]
     return steps_by_run
@@ -179,7 +179,7 @@ def test_an_abort_mid_run_frees_the_blocks_after_the_running_step(tiny_llama: st
         await asyncio.sleep(0.1)
         stats = engine.stats()
         await engine.shutdown()
-        return stats, engine.engine.num_steps
+        return stats, engine.core.num_steps
 
     stats, num_steps = asyncio.run(run())
     assert (stats["num_free_blocks"], stats["num_running"], stats["num_requests"]) == (64, 0, 0)
@@ -204,7 +204,7 @@ def test_a_deadline_mid_run_aborts_and_frees(tiny_llama: str) -> None:
 def test_a_step_failing_mid_run_fails_the_requests_and_health(tiny_llama: str) -> None:
     async def run() -> tuple[dict[str, Any], list[int]]:
         engine = _served(tiny_llama)
-        real_step, steps = engine.engine.step, []
+        real_step, steps = engine.core.step, []
 
         def failing_on_the_fifth(streaming: bool = True) -> list[Any]:
             steps.append(len(steps))
@@ -212,7 +212,7 @@ def test_a_step_failing_mid_run_fails_the_requests_and_health(tiny_llama: str) -
                 raise RuntimeError("boom")
             return real_step(streaming)
 
-        engine.engine.step = failing_on_the_fifth  # type: ignore[method-assign]
+        engine.core.step = failing_on_the_fifth  # type: ignore[method-assign]
         stream = engine.add_request("r", [5, 9, 13], LONG, stream_interval=1)
         received = []
         with pytest.raises(EngineDeadError, match="boom"):
@@ -275,9 +275,9 @@ def test_shutdown_mid_run_stops_the_compute_thread_stepping(tiny_llama: str) -> 
         for _ in range(3):
             await stream.__anext__()
         await engine.shutdown()
-        at_shutdown = engine.engine.num_steps
+        at_shutdown = engine.core.num_steps
         await asyncio.sleep(0.3)  # tens of steps, had the run gone on
-        return at_shutdown, engine.engine.num_steps
+        return at_shutdown, engine.core.num_steps
 
     at_shutdown, later = asyncio.run(run())
     assert later - at_shutdown <= 1  # at most the step that was running

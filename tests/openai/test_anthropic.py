@@ -17,12 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.openai.answers import AnswerContext
 from pagedray.openai.anthropic_api import CountTokensRequest, MessagesRequest, to_chat_body
 from pagedray.openai.anthropic_errors import AnthropicErrors
 from pagedray.openai.anthropic_flow import message_events, stop_reason, tool_input
 from pagedray.openai.ingress_guard import http_error, route_path
 from pagedray.openai.protocol import ChatCompletionRequest
-from pagedray.openai.responses import ResponseContext
 from pagedray.openai.serving import LogprobFormatter, error_response
 from pagedray.openai.tool_calls import ToolCallOutput
 
@@ -176,7 +176,7 @@ def _delta(text: str, finish: str | None = None, stop: str | None = None) -> Cho
 
 
 def _events(outputs: list[RequestStepOutput], tools: ToolCallOutput | None) -> list[Any]:
-    ctx = ResponseContext("msg_1", "m", 1, 1, LogprobFormatter(None), None, tool_calls=tools)
+    ctx = AnswerContext("msg_1", "m", 1, 1, LogprobFormatter(None), None, tool_calls=tools)
     ctx.num_prompt_tokens = 7
 
     async def run() -> list[str]:

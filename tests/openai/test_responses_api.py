@@ -17,20 +17,17 @@ from openai.types.chat.completion_create_params import ResponseFormat
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from pagedray.openai.protocol import ChatCompletionRequest
-from pagedray.openai.responses_api import (
+from pagedray.openai.protocol import ChatCompletionRequest, chat_tool_call
+from pagedray.openai.response_objects import (
     ResponseEventStream,
-    ResponsesRequest,
     build_response,
-    chat_tool_call,
-    conversation_after,
     error_event,
     new_call_id,
     new_response_id,
     response_reply,
     sse_event,
-    to_chat_body,
 )
+from pagedray.openai.responses_api import ResponsesRequest, conversation_after, to_chat_body
 
 USAGE = {
     "prompt_tokens": 7,

@@ -11,7 +11,7 @@ from pagedray.scheduler.sampling_params import SamplingParams
 
 def make_request(req_id: str, token_ids: list[int], cache_salt: str | None = None) -> Request:
     engine_request = EngineRequest(req_id, token_ids, SamplingParams(), cache_salt=cache_salt)
-    return Request(engine_request, eos_token_id=None)
+    return Request(engine_request)
 
 
 def admit(manager: KVCacheManager, req: Request, num_new_tokens: int | None = None) -> Allocation:

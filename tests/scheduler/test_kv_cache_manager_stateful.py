@@ -58,7 +58,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         req_id = f"r{self.next_id}"
         self.next_id += 1
         engine_request = EngineRequest(req_id, token_ids, SamplingParams(), cache_salt=cache_salt)
-        self.waiting[req_id] = Request(engine_request, eos_token_id=None)
+        self.waiting[req_id] = Request(engine_request)
 
     @precondition(lambda self: not self.running)
     @rule()

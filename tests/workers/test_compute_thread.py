@@ -13,8 +13,8 @@ import pytest
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
-from pagedray.engine.llm import LLM
 from pagedray.engine.output_processor import OutputProcessor
+from pagedray.llm import LLM
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers import worker as worker_module
 from pagedray.workers.compute_thread import ComputeThread, compute_thread

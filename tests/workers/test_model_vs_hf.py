@@ -23,6 +23,7 @@ from pagedray.workers.layers.rotary import compute_inv_freq
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.models.llama import LlamaForCausalLM
 from pagedray.workers.parallel_state import TensorParallelGroup
+from pagedray.workers.weight_loader import load_weights
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40
@@ -152,7 +153,7 @@ def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     ).eval()
     model_config = ModelConfig.from_pretrained(path, dtype="float32")
     model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), backend)
-    model.load_weights(path)
+    load_weights(model, path)
     if backend is CPU_BACKEND:
         pack_module_weights(model)  # as a CPU worker does: products on oneDNN's packed weights
     return hf_model, model
@@ -258,7 +259,7 @@ def test_bf16_checkpoint_auto_dtype(tmp_path: Path) -> None:
     assert model_config.dtype == torch.bfloat16
     assert model_config.attention_bias and not model_config.o_proj_bias
     model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), TORCH_BACKEND)
-    model.load_weights(tmp_path)
+    load_weights(model, tmp_path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     kv_cache = new_kv_cache(model).to(torch.bfloat16)
     seqs = prompts()
@@ -279,7 +280,7 @@ def test_missing_weight_is_reported(tmp_path: Path) -> None:
     model_config = ModelConfig.from_pretrained(tmp_path)
     model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), TORCH_BACKEND)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight.*'k'"):
-        model.load_weights(tmp_path)
+        load_weights(model, tmp_path)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=[b.name for b in BACKENDS])
@@ -294,7 +295,7 @@ def test_bf16_close_to_hf_float32(tmp_path: Path, backend) -> None:
     model_config = ModelConfig.from_pretrained(tmp_path, dtype="bfloat16")
     model = LlamaForCausalLM(model_config, TensorParallelGroup(0, 1), backend)
     model.to(dtype=torch.bfloat16)
-    model.load_weights(tmp_path)
+    load_weights(model, tmp_path)
     kv_cache = torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE), dtype=torch.bfloat16)
     seqs = prompts()
     outs = run_step(model, kv_cache, seqs, [0, 0], PROMPT_LENS)

@@ -75,10 +75,11 @@ def _run(path: Path, tp) -> list[torch.Tensor]:
     from pagedray.attention.backend import TORCH_BACKEND
     from pagedray.workers.model_config import ModelConfig
     from pagedray.workers.models.llama import LlamaForCausalLM
+    from pagedray.workers.weight_loader import load_weights
 
     config = ModelConfig.from_pretrained(path, dtype="float32")
     model = LlamaForCausalLM(config, tp, TORCH_BACKEND)
-    model.load_weights(path)
+    load_weights(model, path)
     kv_cache = torch.zeros(model.kv_cache_shape(10, BLOCK_SIZE))
     logits = []
     for input_ids, positions, metadata in _step_inputs(config.vocab_size):

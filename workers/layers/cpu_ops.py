@@ -22,6 +22,7 @@ import os
 import torch
 
 from pagedray.attention import cpu_kernels
+from pagedray.attention.cpu_kernels import CFunction
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -123,11 +124,11 @@ def rope_and_store(
 
 
 @functools.cache
-def _entries() -> dict[torch.dtype, dict[str, ctypes._CFuncPtr]]:
+def _entries() -> dict[torch.dtype, dict[str, CFunction]]:
     if os.environ.get("PAGEDRAY_CPU_LAYER_OPS", "c") == "torch" or not cpu_kernels.available():
         return {}
     lib = cpu_kernels.library()
-    entries: dict[torch.dtype, dict[str, ctypes._CFuncPtr]] = {}
+    entries: dict[torch.dtype, dict[str, CFunction]] = {}
     for dtype, suffix in _SUFFIXES.items():
         entries[dtype] = {}
         for name, argtypes in _SIGNATURES.items():

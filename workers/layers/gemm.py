@@ -77,12 +77,14 @@ def pack_module_weights(model: torch.nn.Module) -> int:
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
-        packed = pack(module.weight)
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        packed = pack(weight)
         if packed is None:
             continue
         module.packed_weight = packed
-        if owners[id(module.weight)] == 1:
-            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+        if owners[id(weight)] == 1:
+            weight.data = torch.empty(0, dtype=weight.dtype)
         count += 1
     return count
 

@@ -56,6 +56,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> to
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token's position; one instance is shared by all layers."""
 
+    cos_cache: torch.Tensor  # [max_pos, head_dim // 2], a buffer
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

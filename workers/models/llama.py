@@ -7,14 +7,13 @@ weight loader only has to map the fused q/k/v and gate/up projections.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedray.attention.backend import AttentionBackend
+from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 from pagedray.workers.layers import cpu_ops
 from pagedray.workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -27,7 +26,6 @@ from pagedray.workers.layers.norm import RMSNorm
 from pagedray.workers.layers.rotary import RotaryEmbedding
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.parallel_state import TensorParallelGroup
-from pagedray.workers.weight_loader import load_weights
 
 
 class LlamaAttention(nn.Module):
@@ -251,11 +249,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, config.dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        first_attn = self.model.layers[0].self_attn if config.num_hidden_layers else None
         # KV heads this rank caches: num_key_value_heads / tp, or 1 when replicated.
-        self.num_kv_heads_per_rank = (
-            first_attn.num_kv_heads if first_attn is not None else config.num_key_value_heads
-        )
+        self.num_kv_heads_per_rank: int = config.num_key_value_heads
+        if config.num_hidden_layers:
+            first_layer = self.model.layers[0]
+            assert isinstance(first_layer, LlamaDecoderLayer)
+            self.num_kv_heads_per_rank = first_layer.self_attn.num_kv_heads
 
     @torch.inference_mode()
     def forward(
@@ -276,10 +275,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num, hidden_size] -> [num, vocab_size] float32 logits, identical on every rank."""
         return self.lm_head.compute_logits(hidden_states).float()
-
-    def load_weights(self, checkpoint_dir: str | Path) -> None:
-        """Load this rank's shard of every weight from the checkpoint's safetensors files."""
-        load_weights(self, checkpoint_dir)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of this rank's KV cache tensor for `num_blocks` blocks of `block_size` tokens."""

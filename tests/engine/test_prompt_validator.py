@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from pagedray import LLM, SamplingParams
 from pagedray.engine.chat_tokens import ChatTokenizer
 from pagedray.engine.prompt_bound import MAX_COMPOSED_CHARS, chars_per_token
-from pagedray.engine.prompts import ParamError, PromptValidator, as_prompt_list
+from pagedray.engine.prompt_validator import ParamError, PromptValidator, as_prompt_list
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.scheduler.scheduler import Scheduler
 

@@ -38,7 +38,7 @@ from pagedray.openai.tool_calls import ToolCallOutput
 
 
 @dataclass
-class ResponseContext:
+class AnswerContext:
     """What shapes one client request's answer."""
 
     request_id: str
@@ -74,7 +74,7 @@ class ResponseContext:
 
 
 @dataclass
-class _Choice:
+class _CollectedChoice:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -83,10 +83,10 @@ class _Choice:
 
 
 async def _collect(
-    ctx: ResponseContext, streams: EngineStreams, chat: bool
-) -> tuple[list[_Choice], UsageCounter] | dict[str, Any]:
+    ctx: AnswerContext, streams: EngineStreams, chat: bool
+) -> tuple[list[_CollectedChoice], UsageCounter] | dict[str, Any]:
     """Run every engine request to the end; returns the choices and usage, or the error."""
-    choices = [_Choice(text=ctx.echo_text(i)) for i in range(ctx.num_choices)]
+    choices = [_CollectedChoice(text=ctx.echo_text(i)) for i in range(ctx.num_choices)]
     usage = UsageCounter()
     async with contextlib.aclosing(streams.merged()) as merged:
         async for prompt_index, output in merged:
@@ -111,7 +111,7 @@ async def _collect(
 
 
 async def completion_response(
-    ctx: ResponseContext, streams: EngineStreams
+    ctx: AnswerContext, streams: EngineStreams
 ) -> CompletionResponse | dict[str, Any]:
     collected = await _collect(ctx, streams, chat=False)
     if isinstance(collected, dict):
@@ -136,7 +136,7 @@ async def completion_response(
 
 
 async def chat_response(
-    ctx: ResponseContext, streams: EngineStreams
+    ctx: AnswerContext, streams: EngineStreams
 ) -> ChatCompletionResponse | dict[str, Any]:
     collected = await _collect(ctx, streams, chat=True)
     if isinstance(collected, dict):
@@ -169,7 +169,7 @@ async def chat_response(
     )
 
 
-async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
+async def completion_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterator[str]:
     """`text_completion` chunks, then a usage chunk if asked, then `[DONE]`."""
     offsets = [len(ctx.echo_text(i)) for i in range(ctx.num_choices)]
 
@@ -216,7 +216,7 @@ async def completion_chunks(ctx: ResponseContext, streams: EngineStreams) -> Asy
     yield SSE_DONE
 
 
-async def chat_chunks(ctx: ResponseContext, streams: EngineStreams) -> AsyncIterator[str]:
+async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterator[str]:
     """A role chunk per choice, content chunks, a usage chunk if asked, then `[DONE]`."""
 
     def model(

@@ -1,4 +1,8 @@
-"""The offline Python API, shaped like vLLM's `LLM` so users can switch by changing an import."""
+"""The offline Python API, shaped like vLLM's `LLM` so users can switch by changing an import.
+
+An entry point, as the CLI is: above the cluster layer, whose Ray executor it uses when the ranks
+run as worker actors (tensor_parallel_size > 1).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from tqdm import tqdm
 
 from pagedray.engine.config import DType, EngineConfig
 from pagedray.engine.output_processor import OutputProcessor
-from pagedray.engine.prompts import as_prompt_list
+from pagedray.engine.prompt_validator import as_prompt_list
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -71,8 +75,13 @@ class LLM:
         )
         from pagedray.engine.engine_factory import build_engine
 
+        make_executor = None  # the one rank in this process
+        if not self.config.in_process:  # worker actors: only then is Ray imported
+            from pagedray.cluster.ray_executor import executor_factory
+
+            make_executor = executor_factory(self.config)
         # The model is built and stepped on one thread (see workers/compute_thread.py).
-        built = compute_thread().run(build_engine, self.config)
+        built = compute_thread().run(build_engine, self.config, make_executor)
         self.engine, self.executor, self.tokenizer, self.validator = built
         # Nothing streams out of `generate`: text is decoded once per output, at its end.
         self.output_processor = OutputProcessor(self.tokenizer, stream_text=False)
