@@ -13,10 +13,9 @@ from typing import Any
 
 from ray import serve
 
+from pagedray.cluster.server_config import DEFAULT_MAX_RESPONSES, DEFAULT_RESPONSES_TTL_S
 from pagedray.openai.response_store import ResponseStore
 
-DEFAULT_MAX_RESPONSES = 10_000
-DEFAULT_TTL_S = 3600.0  # an hour: OpenAI keeps stored responses longer; a client re-sends
 DEFAULT_MAX_BYTES = 256 * 2**20
 
 
@@ -32,7 +31,7 @@ class ResponseStoreDeployment:
     def __init__(
         self,
         max_responses: int = DEFAULT_MAX_RESPONSES,
-        ttl_s: float = DEFAULT_TTL_S,
+        ttl_s: float = DEFAULT_RESPONSES_TTL_S,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.store = ResponseStore(max_responses=max_responses, max_bytes=max_bytes, ttl_s=ttl_s)

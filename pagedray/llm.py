@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from pagedray.engine.config import DType, EngineConfig
+from pagedray.engine.config import EngineConfig, validated
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.prompt_validator import as_prompt_list
 from pagedray.scheduler.outputs import RequestOutput
@@ -40,39 +40,16 @@ class LLM:
     is running); at 1 the worker runs in this process.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        tensor_parallel_size: int = 1,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        dtype: DType = "auto",
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are `EngineConfig`'s fields (vLLM's names: `tensor_parallel_size`,
+        `max_num_seqs`, `max_model_len`, `dtype`, ...); refused with a ValueError naming the
+        field when one is not, or its value is bad. Without `model`, the built default."""
         if model is None:
             from pagedray.tools.default_model import default_model_path
 
             model = str(default_model_path())
-        self.config = EngineConfig(
-            model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            dtype=dtype,
-            seed=seed,
-            **kwargs,
-        )
+        settings = {"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS, **kwargs}
+        self.config = validated(EngineConfig, {"model": str(model), **settings})
         from pagedray.engine.engine_factory import build_engine
 
         make_executor = None  # the one rank in this process

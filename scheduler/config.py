@@ -15,14 +15,16 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
     enable_prefix_caching: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_num_waiting: int | None = None  # admission bound; None = unbounded
     # Keep the prefix cache's changes as KV deltas, for a cache-aware router (kv_events.py).
-    record_kv_events: bool = False
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )

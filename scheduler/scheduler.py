@@ -48,7 +48,7 @@ class Scheduler:
             num_kv_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
-            record_kv_events=config.record_kv_events,
+            record_kv_events=config.enable_kv_cache_events,
         )
         # NOTE: a sequence longer than the whole pool could never be scheduled again after a
         # preemption, so the usable model length is capped by the pool.
@@ -86,7 +86,7 @@ class Scheduler:
         ):
             raise OverflowError(f"waiting queue is full ({self.config.max_num_waiting} requests)")
         self.requests[req.req_id] = req
-        priority = req.priority if self.config.policy == "priority" else 0
+        priority = req.priority if self.config.scheduling_policy == "priority" else 0
         self._queue_keys[req.req_id] = (priority, req.arrival_time, next(self._arrival_counter))
         self._enqueue(req)
 
@@ -118,7 +118,7 @@ class Scheduler:
         plan = SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0, [], [])
         self.indexed_in_step = []
         preempted = False
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             self._make_room_for_priority()
 
         idx = 0
@@ -360,7 +360,7 @@ class Scheduler:
         return self.running[-1]
 
     def _add_running(self, req: Request) -> None:
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             bisect.insort(self.running, req, key=self._queue_key)
         else:
             self.running.append(req)

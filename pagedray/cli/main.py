@@ -7,9 +7,11 @@ import json
 import sys
 from typing import Any
 
+from pagedray.cli.config_flags import add_config_flags, config_values
 from pagedray.cli.dashboard import add_dashboard_parser
-from pagedray.cli.engine_args import add_engine_args, engine_kwargs
 from pagedray.cli.serve import add_serve_parser
+from pagedray.engine.config import EngineConfig
+from pagedray.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +46,10 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 def _add_generate(commands: Any) -> None:
     parser = commands.add_parser("generate", help="generate offline for prompts, print JSON lines")
-    add_engine_args(parser)
+    # The engine's settings, one flag a field, the offline `LLM`'s defaults where it has its own.
+    add_config_flags(
+        parser, EngineConfig, {"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS}
+    )
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default: stdin")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -61,7 +66,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
         )
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM(**config_values(args, EngineConfig))
         outputs = llm.generate(prompts, params)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -12,12 +12,11 @@ import signal
 import socket
 import sys
 import threading
-import typing
 from pathlib import Path
 from typing import Any
 
+from pagedray.cli.config_flags import add_config_flags, config_values
 from pagedray.cli.console import quiet_ray_console, say
-from pagedray.cli.engine_args import add_engine_args, engine_kwargs
 from pagedray.cli.serve_runtime import (
     QuietReconnect,
     StartupFailed,
@@ -26,14 +25,16 @@ from pagedray.cli.serve_runtime import (
     proxy_port,
     wait_until_ready,
 )
-from pagedray.cli.vllm_flags import CORS_ARGS, add_cors_args
+from pagedray.cluster.server_config import ServerConfig
+from pagedray.engine.config import validated
 from pagedray.workers.cpu_scheduling import serve_under_batch_policy
 from pagedray.workers.cpu_threads import serving_thread_counts
 
 APP_NAME = "pagedray"
 API_KEY_ENV = "PAGEDRAY_API_KEY"
-# As `ingress_guard.DEFAULT_MAX_REQUEST_BODY_BYTES` (not imported: it would import Starlette).
-DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# What holds the model's place while the flags are checked, when none is given: `run_serve`
+# builds the default one only once Ray is coming.
+DEFAULT_MODEL_PLACEHOLDER = "(the built default model)"
 # As deploy/ (`ray start --metrics-export-port=8080`), so deploy/prometheus/ scrapes either.
 DEFAULT_METRICS_EXPORT_PORT = 8080
 RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -42,81 +43,9 @@ RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 def add_serve_parser(commands: Any) -> None:
     """Register the `serve` subcommand (called by `cli.main`)."""
-    from pagedray.engine.config import EngineConfig
-
-    dispatch = EngineConfig.model_fields["dispatch"]
-
     parser = commands.add_parser("serve", help="serve the OpenAI API over HTTP with Ray Serve")
-    add_engine_args(parser)
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="the names clients may send as `model`, the first one reported (default: the model "
-        "dir name)",
-    )
-    parser.add_argument("--num-replicas", type=int, default=1, help="engines (each a TP group)")
-    parser.add_argument(
-        "--num-ingress-replicas",
-        type=int,
-        default=1,
-        help="HTTP ingress replicas (tokenize, detokenize, stream); 1 listens on --port itself, "
-        "more share it through Serve's proxy",
-    )
-    parser.add_argument("--min-replicas", type=int, default=None, help="autoscale from this")
-    parser.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this")
-    parser.add_argument(
-        "--routing",
-        choices=["cache-aware", "power-of-two"],
-        default=None,
-        help="how requests pick an engine: by its cached prefix (default with several) or load",
-    )
-    parser.add_argument(
-        "--routing-load-threshold",
-        type=int,
-        default=None,
-        help="cache-aware: ongoing requests by which the best-matching engine may exceed the "
-        "least loaded and still be chosen (default 32)",
-    )
-    parser.add_argument(
-        "--max-num-waiting",
-        type=int,
-        default=None,
-        help="waiting requests beyond which new ones get 503 (default: 2 x max-num-seqs, "
-        "at most the KV blocks)",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="seconds a request may take before it is aborted with 504 (default 600; 0: none)",
-    )
-    parser.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch threads per rank on a CPU, for every step (default: the cores but one, split "
-        "among ranks, while a request streams; all of them while none does)",
-    )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--dispatch",
-        default=dispatch.default,
-        choices=list(typing.get_args(dispatch.annotation)),
-        help="how each step reaches the worker actors",
-    )
-    parser.add_argument(
-        "--stream-interval",
-        type=int,
-        default=None,
-        help="streamed responses send a chunk every N tokens (default 1: every token)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=["auto", "hermes", "llama3_json"],
-        help="how tool_choice=auto reads calls from the text (default auto: by chat template)",
-    )
+    # The application's settings: one flag per field of its schema (vLLM's names and values).
+    add_config_flags(parser, ServerConfig)
     parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
@@ -132,13 +61,6 @@ def add_serve_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--api-key-file", default=None, help="read the API key from this file (stripped)"
-    )
-    add_cors_args(parser)
-    parser.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=None,
-        help=f"413 for larger bodies (default {DEFAULT_MAX_REQUEST_BODY_BYTES})",
     )
     parser.add_argument(
         "--address", default=None, help="Ray cluster to join ('auto'); default: start a local one"
@@ -172,48 +94,33 @@ def add_serve_parser(commands: Any) -> None:
     parser.set_defaults(func=run_serve)
 
 
-def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The `build_app` arguments for parsed `serve` flags (None = the default)."""
+def serve_settings(args: argparse.Namespace) -> ServerConfig:
+    """The application's settings from the flags, checked; SystemExit naming a bad one. Without
+    a model, the default one's place is held (`run_serve` builds it only once Ray is coming)."""
+    values = {"model": DEFAULT_MODEL_PLACEHOLDER, **config_values(args, ServerConfig)}
+    try:
+        return validated(ServerConfig, values)
+    except ValueError as exc:
+        raise SystemExit(f"pagedray: {exc}") from None
 
-    app_args: dict[str, Any] = {
-        "model": args.model,
-        **engine_kwargs(args),
-        "served_model_name": args.served_model_name,
-        "max_num_waiting": args.max_num_waiting,
-        "request_timeout_s": args.request_timeout,
-        "num_threads": args.num_threads,
-        "device": args.device,
-        "dispatch": args.dispatch,
-        "stream_interval": args.stream_interval,
-        "tool_call_parser": args.tool_call_parser,
-        "num_replicas": args.num_replicas,
-        "num_ingress_replicas": args.num_ingress_replicas,
-        "min_replicas": args.min_replicas,
-        "max_replicas": args.max_replicas,
-        "routing": args.routing,
-        "routing_load_threshold": args.routing_load_threshold,
-        "max_request_body_bytes": args.max_request_body_bytes,
-        **{name: getattr(args, name) for name in CORS_ARGS},
-        **_api_key_args(args),
-    }
+
+def serve_app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The `build_app` arguments the flags set (as the schema reads them), and the API key's."""
+    settings = serve_settings(args)
+    given = config_values(args, ServerConfig)
+    app_args = {name: getattr(settings, name) for name in given}
+    app_args.update(_api_key_args(args))
     return {key: value for key, value in app_args.items() if value is not None}
 
 
-def local_thread_counts(args: argparse.Namespace) -> dict[str, int]:
-    """Torch threads per rank when every engine runs on this machine and the flags leave them
-    to us: all its cores but one while a request streams, all while none does, split among all
-    the engines' ranks (an engine replica alone would count only its own ranks). Empty with
-    --device cuda or --num-threads."""
-    if args.num_threads is not None or args.device == "cuda":
+def local_thread_counts(settings: ServerConfig) -> dict[str, int]:
+    """Torch threads per rank when every engine runs on this machine and the settings leave
+    them to us: all its cores but one while a request streams, all while none does, split among
+    all the engines' ranks (an engine replica alone would count only its own ranks). Empty on
+    CUDA or with `num_threads`."""
+    if settings.num_threads is not None or settings.device == "cuda":
         return {}
-    return serving_thread_counts(_max_engines(args) * args.tensor_parallel_size)
-
-
-def _max_engines(args: argparse.Namespace) -> int:
-    """The most engines the flags may run: autoscaling's bound, else the fixed count."""
-    if args.max_replicas is not None:
-        return int(args.max_replicas)
-    return max(args.min_replicas or 0, args.num_replicas)
+    return serving_thread_counts(settings.max_engines * settings.tensor_parallel_size)
 
 
 def _api_key_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,6 +139,7 @@ def _api_key_args(args: argparse.Namespace) -> dict[str, Any]:
 def run_serve(args: argparse.Namespace) -> int:
     """Start (or join) Ray, deploy, print the URL, and serve until Ctrl-C or SIGTERM."""
     app_args = serve_app_args(args)
+    settings = serve_settings(args)
     local = args.address is None and not os.environ.get("RAY_ADDRESS")
     if local:
         # Refused before anything changes: this process's environment included.
@@ -241,10 +149,10 @@ def run_serve(args: argparse.Namespace) -> int:
         _keep_ray_on_loopback()
     if local:
         # NOTE: before Ray is imported: Serve reads these when its modules load.
-        os.environ.update(lean_serve_env(args.port, args.num_ingress_replicas))
+        os.environ.update(lean_serve_env(args.port, settings.num_ingress_replicas))
     if local:
-        app_args.update(local_thread_counts(args))
-    if local and args.device != "cuda":
+        app_args.update(local_thread_counts(settings))
+    if local and settings.device != "cuda":
         # NOTE: before Ray starts: its processes inherit the policy (workers/cpu_scheduling.py).
         serve_under_batch_policy()
     if local:
@@ -278,7 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
         say("stopping once the requests in flight finish (again to stop now)")
 
     try:
-        _start_ray(ray, args, local)
+        _start_ray(ray, args, settings, local)
         quiet_ray_console()
         # NOTE: right after Ray starts (it installs its own SIGTERM handler, which aborts the
         # process), and before deploying: a signal then stops the deployment and cleans up.
@@ -287,10 +195,10 @@ def run_serve(args: argparse.Namespace) -> int:
         port = proxy_port(args.port, args.host) if local else args.port
         serve.start(http_options={"host": args.host, "port": port})
         logging.getLogger("ray.serve").addFilter(QuietReconnect())
-        engines = _max_engines(args) if args.max_replicas else args.num_replicas
+        engines = settings.max_engines
         say(
             f"deploying {Path(app_args['model']).name}: {engines} engine replica(s) of "
-            f"tensor parallel size {args.tensor_parallel_size}, each loading the model"
+            f"tensor parallel size {settings.tensor_parallel_size}, each loading the model"
         )
         _run(build_app(app_args), _blocking=False, name=APP_NAME, route_prefix="/")
         poll_host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
@@ -325,13 +233,13 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _start_ray(ray: Any, args: argparse.Namespace, local: bool) -> None:
+def _start_ray(ray: Any, args: argparse.Namespace, settings: ServerConfig, local: bool) -> None:
     """A local single-node Ray listening where --metrics-host says, or the cluster to join."""
     if not local:
         say(f"joining the Ray cluster at {args.address or os.environ.get('RAY_ADDRESS')}")
         ray.init(address=args.address, logging_level=logging.WARNING)
         return
-    num_cpus = _max_engines(args) * (1 + args.tensor_parallel_size) + 1  # + the ingress
+    num_cpus = settings.max_engines * (1 + settings.tensor_parallel_size) + 1  # + the ingress
     metrics_host = args.metrics_host or args.host
     say("starting a local Ray")
     context = ray.init(

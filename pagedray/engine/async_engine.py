@@ -76,7 +76,7 @@ class AsyncEngine:
             config.max_num_seqs, core.scheduler.kv_cache_manager.num_blocks
         )
         self.admission = Admission(
-            max_num_waiting, request_timeout_s, by_priority=config.policy == "priority"
+            max_num_waiting, request_timeout_s, by_priority=config.scheduling_policy == "priority"
         )
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler

@@ -1,21 +1,76 @@
-"""The one frozen config tree, built at the edge (CLI, `LLM`, Serve app) and passed down.
+"""The engine's settings, in one schema: `EngineConfig`, built at the edge and passed down frozen.
 
-Values learned at run time (how many KV blocks fit) are never written back here; the executor
-returns them and the scheduler is built with them.
+Every way of setting an engine goes through it: the command line's flags are made from its
+fields (pagedray/cli/config_flags.py), `LLM(**kwargs)` and Serve's `build_app` arguments are
+validated by it, and a server's settings extend it (`ServerConfig`, cluster/server_config.py).
+vLLM's spellings of values are taken where vLLM has the setting (`dtype="half"`,
+`max_model_len="32k"`). Values learned at run time (how many KV blocks fit) are never written
+back here; the executor returns them and the scheduler is built with them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.workers.worker_config import WorkerConfig
 
 # Weight and activation dtypes; "auto" is the checkpoint's own.
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# vLLM's other names for two of them.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+SliceT = TypeVar("SliceT")
+
+
+def human_readable_int(value: Any) -> Any:
+    """A count as vLLM reads one: "2048", "8k" (8,000), "8K" (8,192), "1.5m"; decimals only
+    with a decimal (lower-case) suffix. Anything else is left to the field's own validation."""
+    if not isinstance(value, str):
+        return value
+    match = _SUFFIXED.fullmatch(value.strip())
+    if match is None:
+        return value
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise ValueError(f"{value!r}: no decimals with a binary suffix")
+    return int(number) * _BINARY[suffix]
+
+
+def flags(*names: str, choices: tuple[str, ...] = (), json: bool = False) -> dict[str, Any]:
+    """A field's command-line spelling (its `json_schema_extra`): the flags that set it, the
+    first shown in the help (none given: `--field-name`), values taken beyond its type's (vLLM's
+    aliases), and whether a list is given as one JSON text (vLLM's CORS flags)."""
+    return {"cli": {"flags": list(names), "choices": list(choices), "json": json}}
+
+
+# A field that is set from Python or a Serve config, never from the command line.
+NOT_A_FLAG: dict[str, Any] = {"cli": None}
+POSITIONAL: dict[str, Any] = {"cli": {"positional": True}}
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def validated(schema: type[ConfigT], values: dict[str, Any]) -> ConfigT:
+    """`schema` (a settings schema) from `values`; ValueError "field: message" naming the first
+    bad field, as every other refusal in pagedray reads."""
+    try:
+        return schema.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ValueError(f"{field}: {message}" if field else message) from None
 
 
 class EngineConfig(BaseModel):
@@ -23,47 +78,106 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
-    model: str  # HF checkpoint directory
-    tokenizer: str | None = None  # defaults to the model directory
-    # The names clients may send as `model` (vLLM's `--served-model-name a b`); the first is the
-    # one answers and metrics report. One string is one name; None = the directory name.
-    served_model_name: list[str] | None = Field(None, min_length=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    block_size: int = Field(16, ge=1, le=256)
-    enable_prefix_caching: bool = True
-    # The prefix cache's changes as deltas, for a cache-aware router (vLLM's KV cache events).
-    enable_kv_cache_events: bool = False
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=1)  # None = the model's maximum
-    num_kv_blocks: int | None = Field(None, ge=1)  # None = sized from memory
-    kv_cache_memory_gb: float | None = Field(None, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    dtype: DType = "auto"
-    seed: int = 0
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    # Serving: beyond this many waiting requests new ones are refused (503); None = sized from
-    # max_num_seqs and the KV pool (see admission.default_max_num_waiting). Offline `LLM`
-    # queues without bound.
-    max_num_waiting: int | None = Field(None, ge=1)
-    # Serving: a request still unfinished this many seconds after it arrived is aborted (504)
-    # and its KV blocks freed; 0 = no deadline.
-    request_timeout_s: float = Field(600.0, ge=0)
-    num_threads: int | None = Field(None, ge=1)  # torch threads per worker on CPU
-    # Serving on CPU: torch threads per worker for a step in which no request streams (the
-    # cores otherwise left to the serving path; workers/cpu_threads.py). None: `num_threads`.
-    quiet_num_threads: int | None = Field(None, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    use_ray_workers: bool = False  # run even a single rank as a Ray actor (the serving path)
-    # How a step reaches the worker actors: named pipes on the node, a Ray Compiled Graph, or
-    # plain actor calls (see cluster/ray_executor.py).
-    dispatch: Literal["actor", "compiled", "pipe"] = "pipe"
-    # A streamed request gets a message once this many tokens have accumulated (the first token
-    # and the finish at once), as vLLM's --stream-interval: fewer, larger messages through Serve.
-    stream_interval: int = Field(1, ge=1)
-    # How `tool_choice="auto"` reads calls out of the text (vLLM's --tool-call-parser); "auto"
-    # picks by the chat template: <tool_call> blocks (Hermes, Qwen) or Llama 3's JSON calls.
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    model: str = Field(
+        description="the checkpoint's directory (Hugging Face format; default: the built model)",
+        json_schema_extra=POSITIONAL,
+    )
+    tokenizer: str | None = Field(
+        None, description="the tokenizer's directory (default: the model's)"
+    )
+    served_model_name: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the names clients may send as `model`, the first the one answers report "
+        "(default: the model directory's name)",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (GPUs) of one engine",
+        json_schema_extra=flags("--tensor-parallel-size", "-tp"),
+    )
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    enable_prefix_caching: bool = Field(True, description="automatic prefix caching")
+    enable_kv_cache_events: bool = Field(
+        False,
+        description="publish the prefix cache's changes, for a cache-aware router (set by the "
+        "server's routing)",
+        json_schema_extra=NOT_A_FLAG,
+    )
+    max_num_seqs: int = Field(256, ge=1, description="sequences in one step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens computed in one step (prompt chunks and decodes): 2048, 8k"
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="tokens of prompt and output per sequence: 8192, 32k, or auto (the model's, "
+        "capped by what the KV pool holds)",
+    )
+    num_kv_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="KV blocks per rank (default: as many as the memory budget holds)",
+        json_schema_extra=flags("--num-kv-blocks", "--num-gpu-blocks-override"),
+    )
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description="the KV pool per rank, GiB")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="the KV pool per rank, bytes (vLLM's spelling: 40G, 8.5g)"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: the share of device memory a rank may use"
+    )
+    dtype: DType = Field(
+        "auto",
+        description="weights and activations (auto: the checkpoint's; vLLM's half and float too)",
+        json_schema_extra=flags(choices=tuple(DTYPE_ALIASES)),
+    )
+    seed: int = Field(0, description="the seed of requests that give none")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="admission order: arrival, or each request's `priority` (lower first)"
+    )
+    max_num_waiting: int | None = Field(
+        None,
+        ge=1,
+        description="serving: waiting requests beyond which new ones get 503 (default: two "
+        "batches, at most the KV blocks); offline, the queue is unbounded",
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="serving: seconds a request may take before it is aborted with 504 (0: none)",
+        json_schema_extra=flags("--request-timeout"),
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per rank on a CPU, for every step (default: the cores but one "
+        "while a request streams, all while none does)",
+    )
+    quiet_num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per CPU rank for a step in which no request streams",
+        json_schema_extra=NOT_A_FLAG,
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the ranks run")
+    use_ray_workers: bool = Field(
+        False,
+        description="run even a single rank as a Ray actor, rather than in the engine's process",
+        json_schema_extra=NOT_A_FLAG,
+    )
+    dispatch: Literal["actor", "compiled", "pipe"] = Field(
+        "pipe",
+        description="how each step reaches the worker actors: named pipes on the node, a Ray "
+        "Compiled Graph, or actor calls",
+    )
+    stream_interval: int = Field(
+        1, ge=1, description="streamed responses get a chunk every N tokens (vLLM's)"
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
+    )
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -72,6 +186,29 @@ class EngineConfig(BaseModel):
         if isinstance(value, str):
             return [value] if value else None
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _vllm_dtype_names(cls, value: Any) -> Any:
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _max_model_len(cls, value: Any) -> Any:
+        if value == -1 or (isinstance(value, str) and value.strip().lower() in ("auto", "-1")):
+            return None  # vLLM's: the model's own
+        return human_readable_int(value)
+
+    @field_validator("max_num_batched_tokens", "kv_cache_memory_bytes", mode="before")
+    @classmethod
+    def _counts(cls, value: Any) -> Any:
+        return human_readable_int(value)
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> EngineConfig:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("kv_cache_memory_bytes: give it or kv_cache_memory_gb, not both")
+        return self
 
     @property
     def in_process(self) -> bool:
@@ -106,30 +243,18 @@ class EngineConfig(BaseModel):
         return limit
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_model_len=max_model_len,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            policy=self.scheduling_policy,
-            record_kv_events=self.enable_kv_cache_events,
-            max_num_waiting=self.max_num_waiting,
-        )
+        """The scheduler's slice (a plain dataclass: the scheduler has no pydantic)."""
+        return self._slice(SchedulerConfig, max_model_len=max_model_len)
 
     def worker_config(self, max_model_len: int) -> WorkerConfig:
-        return WorkerConfig(
-            model=self.model,
-            dtype=self.dtype,
-            tensor_parallel_size=self.tensor_parallel_size,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            seed=self.seed,
-            num_threads=self.num_threads,
-            quiet_num_threads=self.quiet_num_threads,
-            device=self.device,
-        )
+        """What each rank is built from."""
+        budget = self.kv_cache_memory_gb
+        if self.kv_cache_memory_bytes is not None:
+            budget = self.kv_cache_memory_bytes / 2**30
+        return self._slice(WorkerConfig, max_model_len=max_model_len, kv_cache_memory_gb=budget)
+
+    def _slice(self, config_class: type[SliceT], **resolved: Any) -> SliceT:
+        """`config_class` with the fields of the same names, and what run time `resolved`."""
+        names = {field.name for field in dataclasses.fields(config_class)}  # type: ignore[arg-type]
+        values = {name: getattr(self, name) for name in names - set(resolved)}
+        return config_class(**values, **resolved)

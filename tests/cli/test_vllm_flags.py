@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from pagedray.cli.engine_args import add_engine_args, engine_kwargs
+from pagedray.cli.config_flags import add_config_flags, config_values
 from pagedray.cli.serve import add_serve_parser, serve_app_args
-from pagedray.cli.vllm_flags import human_readable_int
-from pagedray.engine.config import EngineConfig
-from pagedray.openai.cors import CORSSettings, cors_settings_of
+from pagedray.cluster.server_config import ServerConfig
+from pagedray.engine.config import EngineConfig, human_readable_int, validated
+from pagedray.openai.cors import CORSSettings
 
 MODEL = "/models/tiny-llama"
 ABSENT = object()  # the flag leaves the argument to its default (absent from the app's args)
@@ -45,7 +45,7 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--scheduling-policy", "priority"], "scheduling_policy", "priority"),
     (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
     (["--num-gpu-blocks-override", "64"], "num_kv_blocks", 64),
-    (["--kv-cache-memory-bytes", "2G"], "kv_cache_memory_gb", 2.0),
+    (["--kv-cache-memory-bytes", "2G"], "kv_cache_memory_bytes", 2 * 2**30),
     (["--stream-interval", "4"], "stream_interval", 4),
     (["--served-model-name", "tiny"], "served_model_name", ["tiny"]),
     (["--served-model-name", "tiny", "tiny-alias"], "served_model_name", ["tiny", "tiny-alias"]),
@@ -74,21 +74,56 @@ def test_each_vllm_spelling_reaches_the_app_args(flags: list[str], name: str, va
     assert app_args["model"] == MODEL
     assert app_args.get(name, ABSENT) == value
     engine_args = {key: v for key, v in app_args.items() if key in EngineConfig.model_fields}
-    config = EngineConfig.model_validate(engine_args)  # the engine takes them as they are
+    config = validated(EngineConfig, engine_args)  # the engine takes them as they are
     if name in EngineConfig.model_fields and value is not ABSENT:
         assert getattr(config, name) == value
 
 
 def test_the_engine_flags_mean_the_same_offline() -> None:
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_config_flags(parser, EngineConfig)
     flags = ["--dtype", "half", "--no-enable-prefix-caching", "--max-model-len", "2k"]
-    kwargs = engine_kwargs(parser.parse_args([MODEL, *flags, "--gpu-memory-utilization", "0.8"]))
-    assert (kwargs["dtype"], kwargs["enable_prefix_caching"]) == ("float16", False)
-    assert (kwargs["max_model_len"], kwargs["gpu_memory_utilization"]) == (2000, 0.8)
-    defaults = engine_kwargs(parser.parse_args([]))
-    assert defaults["enable_prefix_caching"] and "gpu_memory_utilization" not in defaults
-    assert (defaults["dtype"], defaults["max_model_len"]) == ("auto", None)
+    given = config_values(
+        parser.parse_args([MODEL, *flags, "--gpu-memory-utilization", "0.8"]), EngineConfig
+    )
+    config = validated(EngineConfig, given)  # what `LLM(**given)` is built from
+    assert (config.dtype, config.enable_prefix_caching) == ("float16", False)
+    assert (config.max_model_len, config.gpu_memory_utilization) == (2000, 0.8)
+    assert config_values(parser.parse_args([]), EngineConfig) == {}  # the schema's defaults stand
+    assert config.worker_config(2000).kv_cache_memory_gb is None
+    in_bytes = validated(EngineConfig, {"model": MODEL, "kv_cache_memory_bytes": "2G"})
+    assert in_bytes.worker_config(2000).kv_cache_memory_gb == 2.0
+
+
+def _serve_options() -> dict[str, str]:
+    """`pagedray serve`'s options, by the setting each sets (its dest)."""
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers(dest="command")
+    add_serve_parser(commands)
+    return {
+        a.dest: a.option_strings[0] for a in commands.choices["serve"]._actions if a.option_strings
+    }
+
+
+def test_every_setting_is_a_flag_or_says_why_not() -> None:
+    """One schema: each field of the server's settings is a `pagedray serve` flag, but for those
+    set from Python or a Serve config (the API key has flags of its own, fed from a file or the
+    environment too)."""
+    not_flags = {
+        name
+        for name, field in ServerConfig.model_fields.items()
+        if isinstance(field.json_schema_extra, dict)
+        and field.json_schema_extra.get("cli", {}) is None
+    }
+    assert not_flags == {
+        "enable_kv_cache_events", "quiet_num_threads", "use_ray_workers", "api_key",
+        "api_key_file", "api_key_sha256", "stuck_after_s", "health_check_period_s",
+        "ingress_num_cpus", "responses_max_stored", "responses_ttl_s",
+    }  # fmt: skip
+    options = _serve_options()
+    for name in set(ServerConfig.model_fields) - not_flags - {"model"}:
+        assert name in options, f"{name} has no flag"
+    assert options["request_timeout_s"] == "--request-timeout"  # the flag's own name
 
 
 def test_two_served_names_the_first_reported() -> None:
@@ -106,20 +141,22 @@ def test_values_vllm_refuses_are_refused(capsys: pytest.CaptureFixture[str]) -> 
         ["--allowed-origins", "*"],  # a JSON list, as vLLM's
         ["--kv-cache-memory-gb", "1", "--kv-cache-memory-bytes", "1G"],
     ):
-        with pytest.raises(SystemExit):
-            _serve([MODEL, *flags])
+        with pytest.raises(SystemExit):  # by the parser, or by the settings' schema
+            serve_app_args(_serve([MODEL, *flags]))
     with pytest.raises(SystemExit, match="one --api-key"):
         serve_app_args(_serve([MODEL, "--api-key", "a", "b"]))
     assert human_readable_int("1m") == 1_000_000 and human_readable_int("1M") == 2**20
 
 
 def test_cors_defaults_are_vllms_and_build_app_takes_json_text() -> None:
-    assert cors_settings_of({}) == CORSSettings(("*",), ("*",), ("*",), False)
-    given = {"allowed_origins": '["https://a.example"]', "allow_credentials": "true"}
-    settings = cors_settings_of(given)  # as `serve run ... key=value` passes them
+    def cors(**given: Any) -> CORSSettings:
+        return validated(ServerConfig, {"model": MODEL, **given}).cors()
+
+    assert cors() == CORSSettings(("*",), ("*",), ("*",), False)
+    settings = cors(allowed_origins='["https://a.example"]', allow_credentials="true")
     assert settings.allowed_origins == ("https://a.example",) and settings.allow_credentials
-    assert cors_settings_of({"allowed_methods": ["GET"]}).allowed_methods == ("GET",)
-    with pytest.raises(ValueError, match="^allowed_headers: must be a list of strings"):
-        cors_settings_of({"allowed_headers": "Authorization"})
+    assert cors(allowed_methods=["GET"]).allowed_methods == ("GET",)
+    with pytest.raises(ValueError, match="^allowed_headers: .*JSON list"):
+        cors(allowed_headers="Authorization")
     with pytest.raises(ValueError, match="^allow_credentials: "):
-        cors_settings_of({"allow_credentials": "maybe"})
+        cors(allow_credentials="maybe")

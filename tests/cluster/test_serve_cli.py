@@ -6,7 +6,7 @@ import argparse
 
 from ray.serve import Application
 
-from pagedray.cli.serve import add_serve_parser, local_thread_counts, serve_app_args
+from pagedray.cli.serve import add_serve_parser, local_thread_counts, serve_app_args, serve_settings
 from pagedray.cluster.engine_deployment import _with_serving_threads, engine_deployment_options
 from pagedray.cluster.openai_app import build_app
 from pagedray.engine.config import EngineConfig
@@ -95,18 +95,18 @@ def test_admission_flags(tiny_llama: str) -> None:
 
 
 def test_local_threads_leave_a_core_to_the_serving_path(tiny_llama: str) -> None:
-    assert local_thread_counts(_parse([tiny_llama])) == {
+    assert local_thread_counts(serve_settings(_parse([tiny_llama]))) == {
         "num_threads": serving_threads_per_rank(1),
         "quiet_num_threads": quiet_threads_per_rank(1),
     }
     two_engines = _parse([tiny_llama, "--num-replicas", "2", "-tp", "2"])
-    assert local_thread_counts(two_engines) == serving_thread_counts(4)
+    assert local_thread_counts(serve_settings(two_engines)) == serving_thread_counts(4)
     autoscaled = _parse([tiny_llama, "--min-replicas", "1", "--max-replicas", "3"])
-    assert local_thread_counts(autoscaled) == serving_thread_counts(3)
+    assert local_thread_counts(serve_settings(autoscaled)) == serving_thread_counts(3)
     at_least_two = _parse([tiny_llama, "--min-replicas", "2"])  # build_app deploys 2..2
-    assert local_thread_counts(at_least_two) == serving_thread_counts(2)
-    assert local_thread_counts(_parse([tiny_llama, "--num-threads", "5"])) == {}
-    assert local_thread_counts(_parse([tiny_llama, "--device", "cuda"])) == {}
+    assert local_thread_counts(serve_settings(at_least_two)) == serving_thread_counts(2)
+    assert local_thread_counts(serve_settings(_parse([tiny_llama, "--num-threads", "5"]))) == {}
+    assert local_thread_counts(serve_settings(_parse([tiny_llama, "--device", "cuda"]))) == {}
 
 
 def test_an_engine_replica_without_threads_leaves_a_core_to_serving(tiny_llama: str) -> None:

@@ -509,7 +509,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes_it() -> None:
 
 @pytest.mark.parametrize(("policy", "victim"), [("fcfs", "c"), ("priority", "b")])
 def test_preemption_victim_by_policy(policy: str, victim: str) -> None:
-    scheduler, worker = make_scheduler(num_blocks=5, policy=policy), StandInWorker(4)
+    scheduler, worker = make_scheduler(num_blocks=5, scheduling_policy=policy), StandInWorker(4)
     scheduler.add_request(make_request("a", [1, 1, 1, 1], priority=0, arrival_time=1.0))
     scheduler.add_request(make_request("b", [2, 2, 2, 2, 2, 2], priority=5, arrival_time=2.0))
     scheduler.add_request(make_request("c", [3, 3, 3, 3], priority=1, arrival_time=3.0))
@@ -526,7 +526,10 @@ def test_preemption_victim_by_policy(policy: str, victim: str) -> None:
 
 
 def test_priority_policy_admits_lower_value_first() -> None:
-    scheduler, worker = make_scheduler(max_num_seqs=1, policy="priority"), StandInWorker(4)
+    scheduler, worker = (
+        make_scheduler(max_num_seqs=1, scheduling_policy="priority"),
+        StandInWorker(4),
+    )
     scheduler.add_request(make_request("low", [1, 2], priority=5, arrival_time=1.0, max_tokens=1))
     scheduler.add_request(make_request("high", [3, 4], priority=0, arrival_time=2.0, max_tokens=1))
     scheduler.add_request(make_request("mid", [5, 6], priority=2, arrival_time=3.0, max_tokens=1))
@@ -537,7 +540,10 @@ def test_priority_policy_admits_lower_value_first() -> None:
 def test_urgent_request_preempts_a_full_batch_of_worse_priority() -> None:
     """Priority policy, every seat taken: a better-priority arrival preempts the newest of the
     worst-priority sequences and runs at once; every output is what it would have been."""
-    scheduler, worker = make_scheduler(max_num_seqs=2, policy="priority"), StandInWorker(4)
+    scheduler, worker = (
+        make_scheduler(max_num_seqs=2, scheduling_policy="priority"),
+        StandInWorker(4),
+    )
     long_prompts = {"long0": [1, 2, 3], "long1": [4, 5, 6]}
     for i, (req_id, prompt) in enumerate(long_prompts.items()):
         scheduler.add_request(make_request(req_id, prompt, arrival_time=1.0 + i, max_tokens=12))
@@ -558,7 +564,10 @@ def test_urgent_request_preempts_a_full_batch_of_worse_priority() -> None:
 
 
 def test_equal_priority_never_preempts_for_seats() -> None:
-    scheduler, worker = make_scheduler(max_num_seqs=1, policy="priority"), StandInWorker(4)
+    scheduler, worker = (
+        make_scheduler(max_num_seqs=1, scheduling_policy="priority"),
+        StandInWorker(4),
+    )
     scheduler.add_request(make_request("first", [1, 2], arrival_time=1.0, max_tokens=6))
     step(scheduler, worker)
     scheduler.add_request(make_request("second", [3, 4], arrival_time=2.0))

@@ -34,7 +34,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(min_value=3, max_value=8),
         max_num_batched_tokens=st.integers(min_value=3, max_value=24),
         enable_prefix_caching=st.booleans(),
-        policy=st.sampled_from(["fcfs", "priority"]),
+        scheduling_policy=st.sampled_from(["fcfs", "priority"]),
     )
     def setup(
         self,
@@ -44,7 +44,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool,
-        policy: str,
+        scheduling_policy: str,
     ) -> None:
         self.config = SchedulerConfig(
             max_model_len=max_model_len,
@@ -52,7 +52,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
-            policy=policy,  # type: ignore[arg-type]
+            scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
         )
         self.worker = StandInWorker(block_size)
         self.engine = EngineCore(self.config, num_blocks, self.worker, EOS_TOKEN_IDS)
