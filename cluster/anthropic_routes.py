@@ -27,6 +27,7 @@ from pagedray.openai.prompts import count_chat_tokens
 from pagedray.openai.protocol import ChatCompletionRequest
 from pagedray.openai.schema import request_body, responses
 from pagedray.openai.serving import bad_request, engine_error_response, renamed_fields
+from pagedray.scheduler.request_failure import RequestFailure
 
 router = APIRouter()
 
@@ -66,7 +67,7 @@ class AnthropicRoutes(IngressBase):
             events = message_events(message_id, ctx, streams)
             return StreamingResponse(events, media_type="text/event-stream")
         message = await whole_message(message_id, ctx, streams)
-        if message.get("type") != "message":  # the engine's error
+        if isinstance(message, RequestFailure):
             return engine_error_response(message)
         return JSONResponse(message)
 

@@ -22,20 +22,13 @@ from pagedray.cluster.engine_autoscaling import report as autoscaling_report
 from pagedray.cluster.engine_router import DEFAULT_LOAD_THRESHOLD, EngineRequestRouter
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
-from pagedray.engine.admission import RETRY_AFTER_S
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
-from pagedray.engine.request_errors import (
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestAbortedError,
-    RequestFailedError,
-    RequestTimeoutError,
-)
+from pagedray.engine.request_errors import failure_of
 from pagedray.engine.request_stream import Sink
 from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.workers.compute_thread import compute_thread
@@ -278,37 +271,9 @@ class EngineDeployment:
 
 
 def error_output(request_id: str, exc: BaseException) -> RequestStepOutput:
-    """An exception as an OpenAI-style error: 400 bad input, 503 overloaded or dead, 504 past its
-    deadline, else 500. Messages name no internals: a 500 or a dead engine's cause is logged
-    here with the request id, and the client gets the id to quote."""
-    message = str(exc)
-    param = None
-    retry_after = None
-    if isinstance(exc, EngineOverloadedError):
-        status, error_type, retry_after = 503, "ServiceUnavailableError", RETRY_AFTER_S
-    elif isinstance(exc, EngineDeadError):
-        logger.error("request %s: %s", request_id, exc)
-        status, error_type, retry_after = 503, "ServiceUnavailableError", RETRY_AFTER_S
-        message = f"the engine is unavailable (request {request_id}); retry later"
-    elif isinstance(exc, RequestTimeoutError):
-        status, error_type = 504, "TimeoutError"
-    elif isinstance(exc, RequestAbortedError):
-        status, error_type, retry_after = 503, "ServiceUnavailableError", RETRY_AFTER_S
-    elif isinstance(exc, RequestFailedError):
-        status = exc.status
-        error_type = "BadRequestError" if status == 400 else "InternalServerError"
-    elif isinstance(exc, ValueError):
-        status, error_type = 400, "BadRequestError"
-        field, sep, _ = message.partition(": ")
-        param = field if sep and field.isidentifier() else None
-    else:
-        logger.error("request %s failed", request_id, exc_info=exc)
-        status, error_type = 500, "InternalServerError"
-        message = f"internal error (request {request_id})"
-    error = {"status": status, "message": message, "type": error_type, "param": param}
-    if retry_after is not None:
-        error["retry_after"] = retry_after
-    return RequestStepOutput(request_id, error=error)
+    """An exception that ended a request, as the output that tells its caller (a typed
+    `RequestFailure`: the ingress chooses the status)."""
+    return RequestStepOutput(request_id, error=failure_of(exc, request_id))
 
 
 def engine_deployment_options(

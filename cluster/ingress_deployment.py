@@ -93,6 +93,7 @@ from pagedray.openai.serving import (
     error_response,
     logger,
 )
+from pagedray.scheduler.request_failure import RequestFailure
 
 # Threads per ingress replica that parse bodies and (de)tokenize, off the event loop: a huge
 # prompt then delays only the requests queued behind it here, never /health or a stream.
@@ -150,7 +151,7 @@ app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def _json(payload: Any) -> Response:
-    if isinstance(payload, dict):  # an engine error met before any output
+    if isinstance(payload, RequestFailure):  # met before any output
         return engine_error_response(payload)
     return Response(payload.model_dump_json(), media_type="application/json")
 
@@ -309,7 +310,7 @@ class OpenAIIngress(AnthropicRoutes):
             events = response_events(job, *started, save)
             return StreamingResponse(events, media_type="text/event-stream")
         result = await whole_response(job, *started, save)
-        if result.get("object") != "response":  # the engine's error
+        if isinstance(result, RequestFailure):
             return in_responses_terms(engine_error_response(result))
         return JSONResponse(result)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pagedray.scheduler.messages import GrammarBitmask
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams, compiled_grammar
 
 if TYPE_CHECKING:
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 MAX_CACHED_GRAMMARS = 256
 MAX_CACHED_SPEC_CHARS = 64 * 1024
 # What a client is told when the grammar refused a token sampled under its own mask: a bug.
-GRAMMAR_REJECTED = (500, "structured output failed for this request (internal error)")
+GRAMMAR_REJECTED = RequestFailure(
+    FailureKind.INTERNAL, "structured output failed for this request (internal error)"
+)
 
 logger = logging.getLogger(__name__)
 # From this many rows, on a machine with cores to spare, a step's masks are filled on

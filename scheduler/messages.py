@@ -9,15 +9,15 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pagedray.scheduler.request_failure import RequestFailure
 from pagedray.scheduler.sampling_params import SamplingParams
 
 # One sampled token's logprobs: (token ids, logprobs, rank of the sampled token).
 # Index 0 of both lists is the sampled token; the rest are the top-k in descending order.
 TokenLogprobs = tuple[list[int], list[float], int]
-# Why one request failed in a step that went on for the rest of the batch: (status, message).
-# Status 400: its own parameters made sampling impossible (non-finite probabilities); 500: an
-# internal failure confined to it. The message names no internals (it reaches the client).
-RequestError = tuple[int, str]
+# Why one request failed in a step that went on for the rest of the batch (its parameters made
+# sampling impossible, or an internal failure confined to it); the message names no internals.
+RequestError = RequestFailure
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pagedray.scheduler.messages import (
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.priority import num_seqs, priority_victims
 from pagedray.scheduler.request import Request, RequestStatus
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 from pagedray.scheduler.worker_view import WorkerView
 
 
@@ -169,7 +170,10 @@ class Scheduler:
                 idx += 1
                 continue
             if req.grammar is not None and req.grammar.error is not None:
-                self.pending_outputs.append(self._error_output(req, (400, req.grammar.error)))
+                refusal = RequestFailure(
+                    FailureKind.INVALID, req.grammar.error, param="structured_outputs"
+                )
+                self.pending_outputs.append(self._error_output(req, refusal))
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 continue
             req_num_seqs = num_seqs(req)

@@ -25,6 +25,7 @@ from itertools import chain
 import torch
 
 from pagedray.scheduler.messages import RequestError, TokenLogprobs
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.inverse_cdf import inverse_cdf
 from pagedray.workers.top_k_top_p import apply_top_k_top_p
@@ -50,12 +51,14 @@ class SampledRow:
     error: RequestError | None = None  # set when this row alone could not be sampled
 
 
-NON_FINITE_ERROR: RequestError = (
-    400,
+NON_FINITE_ERROR = RequestFailure(
+    FailureKind.INVALID,
     "sampling failed: this request's parameters (temperature, penalties, logit_bias) made the "
     "next-token probabilities NaN or infinite",
 )
-INTERNAL_ERROR: RequestError = (500, "sampling failed for this request (internal error)")
+INTERNAL_ERROR = RequestFailure(
+    FailureKind.INTERNAL, "sampling failed for this request (internal error)"
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,6 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_WAITING_BATCHES = 2
 # After refusing a request, health reports the engine degraded for this long.
 DEGRADED_HOLD_S = 5.0
-# What a 503 tells the client to wait before retrying (Retry-After), seconds.
-RETRY_AFTER_S = 1
 
 
 def default_max_num_waiting(max_num_seqs: int, num_kv_blocks: int) -> int:

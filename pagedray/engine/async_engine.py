@@ -334,7 +334,7 @@ class AsyncEngine:
                 continue
             if state.error is not None:  # no success: counted like an abort
                 self._recorder.aborted(request_id, self.output_processor.requests.pop(request_id))
-                self._fail(request_id, RequestFailedError(*state.error))
+                self._fail(request_id, RequestFailedError(state.error))
                 continue
             output = RequestStepOutput(
                 request_id, request_deltas, num_cached_tokens=state.num_cached_tokens

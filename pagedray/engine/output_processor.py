@@ -107,7 +107,7 @@ class RequestState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
-            error=self.error[1] if self.error is not None else None,
+            error=self.error.message if self.error is not None else None,
             metrics=self.timing(),
         )
 

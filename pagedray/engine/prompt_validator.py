@@ -12,16 +12,8 @@ from typing import Any
 from pagedray.engine.chat_tokens import ChatEnding, ChatTokenizer
 from pagedray.engine.prompt_bound import chars_per_token
 from pagedray.engine.unicode_text import has_lone_surrogate
+from pagedray.scheduler.limits import check_max_tokens, check_n, check_prompt_length
 from pagedray.scheduler.sampling_params import SamplingParams
-
-
-class ParamError(ValueError):
-    """A refusal worded as vLLM words it (not "field: message"), still naming its field, so
-    the HTTP error's `param` is right."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -118,9 +110,7 @@ class PromptValidator:
                     f"logit_bias: token id {outside[0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-        if params.n > self.max_num_seqs:
-            # Its n sequences could never run together.
-            raise ValueError(f"n: must be at most max_num_seqs={self.max_num_seqs}, got {params.n}")
+        check_n(self.max_num_seqs, params.n)
 
     def encode(
         self, text: str, add_special_tokens: bool = True, field: str = "prompt"
@@ -148,10 +138,7 @@ class PromptValidator:
     def check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens exceed max_model_len={self.max_model_len}"
-            )
+        check_prompt_length(self.max_model_len, len(token_ids))
         bad = [t for t in token_ids if not _is_token_id(t) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -161,19 +148,9 @@ class PromptValidator:
     def check_max_tokens(
         self, num_prompt_tokens: int, max_tokens: int | None, field: str = "max_tokens"
     ) -> None:
-        """Refuse a `max_tokens` that cannot fit beside the prompt, in vLLM's words (clients
-        such as lm-eval and guidellm match them). None means "up to max_model_len". Only the
-        HTTP ingress calls this: the offline `LLM` stops such a request at max_model_len.
-        """
-        if max_tokens is None or num_prompt_tokens + max_tokens <= self.max_model_len:
-            return
-        raise ParamError(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-            f"maximum context length is {self.max_model_len} tokens and your request has "
-            f"{num_prompt_tokens} input tokens ({max_tokens} > {self.max_model_len} - "
-            f"{num_prompt_tokens}).",
-            field,
-        )
+        """Refuse a `max_tokens` that cannot fit beside the prompt (scheduler/limits.py). Only
+        the HTTP ingress calls this: the offline `LLM` stops such a request at max_model_len."""
+        check_max_tokens(self.max_model_len, num_prompt_tokens, max_tokens, field)
 
     def chat_prompt_token_ids(
         self,

@@ -1,9 +1,19 @@
-"""How an engine request can end other than by finishing: each a type of its own, which the engine
-deployment maps to an HTTP status (cluster/engine_deployment.py), so no failure reaches a client
-as a generic 500 or, worse, as a 200 with an error inside.
+"""How an engine request can end other than by finishing: an exception type for each, raised in
+the engine loop, and `failure_of`, the one place one becomes the `RequestFailure` a client is
+told of (its kind; the OpenAI layer picks the HTTP status). Messages name no internals: a dead
+engine's or an internal error's cause is logged under the request's id instead.
 """
 
 from __future__ import annotations
+
+import logging
+
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure, RequestRefused
+
+logger = logging.getLogger(__name__)
+# Seconds a refused, displaced or orphaned request is told to wait before it retries (the
+# Retry-After of its 503).
+RETRY_AFTER_S = 1.0
 
 
 class EngineOverloadedError(RuntimeError):
@@ -24,8 +34,33 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine ended this request alone with an error (e.g. its sampling failed)."""
+    """The engine ended this request alone (e.g. its sampling failed), for `failure`."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def failure_of(exc: BaseException, request_id: str) -> RequestFailure:
+    """What an exception that ended a request tells its client."""
+    if isinstance(exc, EngineOverloadedError):
+        return RequestFailure(FailureKind.OVERLOADED, str(exc), retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, EngineDeadError):
+        logger.error("request %s: %s", request_id, exc)
+        message = f"the engine is unavailable (request {request_id}); retry later"
+        return RequestFailure(FailureKind.DEAD, message, retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, RequestTimeoutError):
+        return RequestFailure(FailureKind.TIMEOUT, str(exc))
+    if isinstance(exc, RequestAbortedError):
+        return RequestFailure(FailureKind.ABORTED, str(exc), retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, RequestFailedError):
+        return exc.failure
+    if isinstance(exc, RequestRefused):
+        return exc.failure()
+    if isinstance(exc, ValueError):  # the project's "field: message" refusals
+        message = str(exc)
+        field, sep, _ = message.partition(": ")
+        param = field if sep and field.isidentifier() else None
+        return RequestFailure(FailureKind.INVALID, message, param)
+    logger.error("request %s failed", request_id, exc_info=exc)
+    return RequestFailure(FailureKind.INTERNAL, f"internal error (request {request_id})")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedray.engine.output_processor import ChoiceDelta, RequestState
+from pagedray.scheduler.request_failure import RequestFailure
 
 
 @dataclass
@@ -22,7 +22,7 @@ class RequestStepOutput:
     finished: bool = False  # every choice has a finish reason
     usage: dict[str, int] | None = None  # prompt/completion/total/cached tokens, when finished
     metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
-    error: dict[str, Any] | None = None  # set instead of deltas when the request failed
+    error: RequestFailure | None = None  # set instead of deltas when the request failed
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known after prefill)
     # On the acceptance of a request whose outputs go through an output channel: the engine
     # replica that holds it, whose channel the caller subscribes to (`output_channel.py`).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.openai.engine_streams import EngineStreams
@@ -31,10 +31,12 @@ from pagedray.openai.serving import (
     SSE_DONE,
     LogprobFormatter,
     UsageCounter,
+    failure_error,
     sse,
 )
 from pagedray.openai.text_chunks import TextChunkTemplate
 from pagedray.openai.tool_calls import ToolCallOutput
+from pagedray.scheduler.request_failure import RequestFailure
 
 
 @dataclass
@@ -84,8 +86,8 @@ class _CollectedChoice:
 
 async def _collect(
     ctx: AnswerContext, streams: EngineStreams, chat: bool
-) -> tuple[list[_CollectedChoice], UsageCounter] | dict[str, Any]:
-    """Run every engine request to the end; returns the choices and usage, or the error."""
+) -> tuple[list[_CollectedChoice], UsageCounter] | RequestFailure:
+    """Run every engine request to the end; returns the choices and usage, or the failure."""
     choices = [_CollectedChoice(text=ctx.echo_text(i)) for i in range(ctx.num_choices)]
     usage = UsageCounter()
     async with contextlib.aclosing(streams.merged()) as merged:
@@ -112,9 +114,9 @@ async def _collect(
 
 async def completion_response(
     ctx: AnswerContext, streams: EngineStreams
-) -> CompletionResponse | dict[str, Any]:
+) -> CompletionResponse | RequestFailure:
     collected = await _collect(ctx, streams, chat=False)
-    if isinstance(collected, dict):
+    if isinstance(collected, RequestFailure):
         return collected
     choices, usage = collected
     return CompletionResponse(
@@ -137,9 +139,9 @@ async def completion_response(
 
 async def chat_response(
     ctx: AnswerContext, streams: EngineStreams
-) -> ChatCompletionResponse | dict[str, Any]:
+) -> ChatCompletionResponse | RequestFailure:
     collected = await _collect(ctx, streams, chat=True)
-    if isinstance(collected, dict):
+    if isinstance(collected, RequestFailure):
         return collected
     choices, usage = collected
     messages = [ChatResponseMessage(content=c.text) for c in choices]
@@ -290,19 +292,20 @@ async def choice_deltas(
 
 
 class StreamError(Exception):
-    def __init__(self, error: dict[str, Any]) -> None:
-        super().__init__(error["message"])
-        self.error = error
+    """A failure met after the client has its 200: it goes in-band, as an error event."""
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 async def with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Turn an engine error raised mid-stream into an OpenAI error event and `[DONE]`."""
+    """Turn an engine failure raised mid-stream into an OpenAI error event and `[DONE]`."""
     try:
         async for text in chunks:
             yield text
     except StreamError as exc:
-        info = {k: exc.error.get(k) for k in ("message", "type", "param")}
-        yield sse({"error": {**info, "code": exc.error["status"]}})
+        yield sse({"error": failure_error(exc.failure)})
         yield SSE_DONE
 
 

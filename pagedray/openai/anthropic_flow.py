@@ -17,7 +17,8 @@ from pagedray.openai.answers import AnswerContext, StreamError, chat_response, c
 from pagedray.openai.anthropic_errors import anthropic_error
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.protocol import ChatCompletionResponse
-from pagedray.openai.serving import LINE_BREAKS_IN_JSON, UsageCounter
+from pagedray.openai.serving import LINE_BREAKS_IN_JSON, UsageCounter, failure_status
+from pagedray.scheduler.request_failure import RequestFailure
 
 
 def new_message_id() -> str:
@@ -108,10 +109,10 @@ def _closers(text: str) -> str | None:
 
 async def whole_message(
     message_id: str, ctx: AnswerContext, streams: EngineStreams
-) -> dict[str, Any]:
-    """The finished Message, or the engine's error dict (which has a "status")."""
+) -> dict[str, Any] | RequestFailure:
+    """The finished Message, or the request's failure."""
     result = await chat_response(ctx, streams)
-    if isinstance(result, dict):
+    if isinstance(result, RequestFailure):
         return result
     return message_of(message_id, result)
 
@@ -231,7 +232,7 @@ async def message_events(
             for text in _content_events(blocks, content, calls):
                 yield text
     except StreamError as exc:
-        yield event("error", anthropic_error(exc.error["status"], exc.error["message"]))
+        yield event("error", anthropic_error(failure_status(exc.failure), exc.failure.message))
 
 
 def _content_events(blocks: _Blocks, content: str | None, calls: list[Any] | None) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any, AsyncGenerator
 from pagedray.engine.request_text import RequestText
 from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
 from pagedray.openai.output_subscriber import OutputSubscriber
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds a streamed request's finish may trail its call's end (they travel on separate streams).
@@ -73,7 +74,7 @@ class EngineStreams:
             for index, request in enumerate(requests)
         ]
 
-    async def open(self) -> dict[str, Any] | None:
+    async def open(self) -> RequestFailure | None:
         """Wait until every streamed engine request is accepted; returns the first refusal, if
         any. A unary request's refusal comes as its answer, through `merged`."""
         streamed = [i for i in range(len(self.calls)) if i not in self.unary]
@@ -223,17 +224,16 @@ def _put_indexed(queue: asyncio.Queue[tuple[int, Any]], index: int, output: Any)
     queue.put_nowait((index, output))
 
 
-def _error_of(item: Any, request_id: str) -> dict[str, Any] | None:
-    """The error an engine stream item carries, fit for the client: a raised exception (the
+def _error_of(item: Any, request_id: str) -> RequestFailure | None:
+    """The failure an engine stream item carries, fit for the client: a raised exception (the
     replica died, the call failed) or an internal error says only that, with the request id;
     the detail goes to the log under that id."""
     if isinstance(item, BaseException):
         logger.warning("request %s: engine call failed: %r", request_id, item)
         message = f"engine unavailable (request {request_id})"
-        return {"status": 503, "message": message, "type": "ServiceUnavailableError"}
-    error = item.error
-    if error is not None and error.get("status", 500) >= 500 and error.get("status") != 503:
-        logger.error("request %s: engine error: %s", request_id, error.get("message"))
-        message = f"internal error (request {request_id})"
-        return {**error, "status": 500, "message": message, "type": "InternalServerError"}
-    return error
+        return RequestFailure(FailureKind.DEAD, message)
+    failure: RequestFailure | None = item.error
+    if failure is not None and failure.kind is FailureKind.INTERNAL:
+        logger.error("request %s: engine error: %s", request_id, failure.message)
+        return RequestFailure(FailureKind.INTERNAL, f"internal error (request {request_id})")
+    return failure

@@ -23,7 +23,8 @@ from pagedray.openai.response_objects import (
     sse_event,
 )
 from pagedray.openai.responses_api import ResponsesRequest, conversation_after
-from pagedray.openai.serving import UsageCounter, renamed_fields
+from pagedray.openai.serving import UsageCounter, failure_status, renamed_fields
+from pagedray.scheduler.request_failure import RequestFailure
 
 # Called with (response, record) once a response is complete and `store` is set.
 Save = Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]]
@@ -50,10 +51,10 @@ class ResponseJob:
 
 async def whole_response(
     job: ResponseJob, ctx: AnswerContext, streams: EngineStreams, save: Save | None
-) -> dict[str, Any]:
-    """The finished Response, or the engine's error dict (which has a "status")."""
+) -> dict[str, Any] | RequestFailure:
+    """The finished Response, or the request's failure."""
     result = await chat_response(ctx, streams)
-    if isinstance(result, dict):
+    if isinstance(result, RequestFailure):
         return result
     choice = result.choices[0]
     calls = [call.model_dump() for call in choice.message.tool_calls or []]
@@ -111,7 +112,7 @@ async def response_events(
                 for event in events.tool_call(call.index, call.id, name, arguments):
                     yield sse_event(event)
     except StreamError as exc:
-        for event in events.error(exc.error["message"], str(exc.error["status"])):
+        for event in events.error(exc.failure.message, str(failure_status(exc.failure))):
             yield sse_event(event)
 
 

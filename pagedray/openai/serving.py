@@ -16,7 +16,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.engine.prompt_validator import ParamError
 from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.openai.protocol import (
     ChatTokenLogprob,
@@ -25,6 +24,7 @@ from pagedray.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure, RequestRefused
 
 
 class IngressMetrics(Protocol):
@@ -221,7 +221,7 @@ def error_response(
 
 
 def bad_request(exc: Exception) -> JSONResponse:
-    """400 from a pydantic error, a "field: message" ValueError or a `ParamError`, naming the
+    """400 from a pydantic error, a "field: message" ValueError or a `RequestRefused`, naming the
     field as param."""
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
@@ -230,7 +230,7 @@ def bad_request(exc: Exception) -> JSONResponse:
         if loc:  # param is the top-level field; the message keeps the full location
             return error_response(400, f"{loc}: {message}", param=str(first["loc"][0]))
         return error_response(400, message, param=_field_of(message))
-    if isinstance(exc, ParamError):
+    if isinstance(exc, RequestRefused):
         return error_response(400, str(exc), param=exc.param)
     return error_response(400, str(exc), param=_field_of(str(exc)))
 
@@ -259,12 +259,34 @@ def renamed_fields(response: Response, fields: dict[str, str]) -> Response:
     return error_response(400, message, error["type"], param=field)
 
 
-def engine_error_response(error: dict[str, Any]) -> JSONResponse:
-    """An engine error dict ({"status", "message", "type", "param", "retry_after"?}) as HTTP;
-    a 503 or an error with `retry_after` (seconds) tells the client when to retry."""
-    status = error["status"]
-    response = error_response(status, error["message"], error["type"], error.get("param"))
-    retry_after = error.get("retry_after")
+# The one table from a request's failure to HTTP: its status and OpenAI's error type.
+HTTP_OF_FAILURE: dict[FailureKind, tuple[int, str]] = {
+    FailureKind.INVALID: (400, "BadRequestError"),
+    FailureKind.TOO_LONG: (400, "BadRequestError"),
+    FailureKind.OVERLOADED: (503, "ServiceUnavailableError"),
+    FailureKind.TIMEOUT: (504, "TimeoutError"),
+    FailureKind.ABORTED: (503, "ServiceUnavailableError"),
+    FailureKind.DEAD: (503, "ServiceUnavailableError"),
+    FailureKind.INTERNAL: (500, "InternalServerError"),
+}
+
+
+def failure_status(failure: RequestFailure) -> int:
+    return HTTP_OF_FAILURE[failure.kind][0]
+
+
+def failure_error(failure: RequestFailure) -> dict[str, Any]:
+    """OpenAI's error object for a failure (an error body's, or a stream's error event's)."""
+    status, error_type = HTTP_OF_FAILURE[failure.kind]
+    return {"message": failure.message, "type": error_type, "param": failure.param, "code": status}
+
+
+def engine_error_response(failure: RequestFailure) -> JSONResponse:
+    """A request's failure as HTTP; a 503, or one that says when, tells the client when to
+    retry (Retry-After)."""
+    status, error_type = HTTP_OF_FAILURE[failure.kind]
+    response = error_response(status, failure.message, error_type, failure.param)
+    retry_after = failure.retry_after_s
     if retry_after is None and status == 503:
         retry_after = DEFAULT_RETRY_AFTER_S
     if retry_after is not None:
@@ -275,9 +297,7 @@ def engine_error_response(error: dict[str, Any]) -> JSONResponse:
 def engine_unavailable(request_id: str) -> JSONResponse:
     """503 for an engine that cannot be reached or cannot step; no detail but the request id."""
     message = f"engine unavailable (request {request_id})"
-    return engine_error_response(
-        {"status": 503, "message": message, "type": "ServiceUnavailableError"}
-    )
+    return engine_error_response(RequestFailure(FailureKind.DEAD, message))
 
 
 class HTTPMetricsMiddleware:

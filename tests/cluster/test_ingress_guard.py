@@ -18,6 +18,7 @@ from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings, IngressGuard, api_key_digest
 from pagedray.openai.request_body import MAX_JSON_DEPTH, BodyError, parse_json_body
 from pagedray.openai.serving import engine_error_response
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 from pagedray.scheduler.sampling_params import SamplingParams
 
 KEY = "sk-unit"
@@ -136,13 +137,26 @@ def test_unhandled_exception_is_an_opaque_500(
 
 
 def test_engine_errors_set_retry_after() -> None:
-    busy = {"status": 503, "message": "waiting queue is full", "type": "ServiceUnavailableError"}
+    busy = RequestFailure(FailureKind.OVERLOADED, "waiting queue is full")
+    assert engine_error_response(busy).status_code == 503
     assert engine_error_response(busy).headers["retry-after"] == "1"
-    assert engine_error_response({**busy, "retry_after": 7}).headers["retry-after"] == "7"
-    bad = {"status": 400, "message": "prompt: too long", "type": "BadRequestError"}
+    later = RequestFailure(FailureKind.OVERLOADED, "waiting queue is full", retry_after_s=7)
+    assert engine_error_response(later).headers["retry-after"] == "7"
+    bad = RequestFailure(FailureKind.TOO_LONG, "prompt: too long", param="prompt")
+    assert engine_error_response(bad).status_code == 400
     assert "retry-after" not in engine_error_response(bad).headers
-    limited = {**bad, "status": 429, "retry_after": 3}
-    assert engine_error_response(limited).headers["retry-after"] == "3"
+    timed_out = RequestFailure(FailureKind.TIMEOUT, "past its deadline", retry_after_s=3)
+    assert engine_error_response(timed_out).status_code == 504
+    assert engine_error_response(timed_out).headers["retry-after"] == "3"
+
+
+def test_every_failure_kind_has_a_status() -> None:
+    """The table from failure to HTTP is total: a kind added without a status fails here."""
+    for kind in FailureKind:
+        response = engine_error_response(RequestFailure(kind, "m"))
+        assert 400 <= response.status_code < 600
+        body = json.loads(response.body)
+        assert body["error"]["message"] == "m" and body["error"]["code"] == response.status_code
 
 
 class _FakeHandle:
@@ -209,11 +223,11 @@ PARAMS = SamplingParams(max_tokens=4)
 
 def _merged_errors(
     items: list[Any], caplog: pytest.LogCaptureFixture, unary: bool
-) -> list[dict[str, Any]]:
+) -> list[RequestFailure]:
     """The errors a client would see: the refusal at admission, or those in the stream; with
     `unary`, of a request that wants one output at the end (one unary call, `generate_once`)."""
 
-    async def run() -> list[dict[str, Any]]:
+    async def run() -> list[RequestFailure]:
         request = {"request_id": "cmpl-7", "prompt_token_ids": [1], "sampling_params": PARAMS}
         if unary:
             request["stream_interval"] = None
@@ -233,13 +247,7 @@ def test_a_dead_replica_is_engine_unavailable(
 ) -> None:
     died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited, traceback ...")
     errors = _merged_errors([RequestStepOutput("cmpl-7"), died], caplog, unary)
-    assert errors == [
-        {
-            "status": 503,
-            "message": "engine unavailable (request cmpl-7)",
-            "type": "ServiceUnavailableError",
-        }
-    ]
+    assert errors == [RequestFailure(FailureKind.DEAD, "engine unavailable (request cmpl-7)")]
     assert "cmpl-7" in caplog.text and "pid=1234" in caplog.text
 
 
@@ -247,16 +255,11 @@ def test_a_dead_replica_is_engine_unavailable(
 def test_an_internal_engine_error_keeps_only_the_request_id(
     caplog: pytest.LogCaptureFixture, unary: bool
 ) -> None:
-    internal = {
-        "status": 500,
-        "message": "RuntimeError: CUDA error at sampler.py:88",
-        "type": "InternalServerError",
-        "param": None,
-    }
+    internal = RequestFailure(FailureKind.INTERNAL, "RuntimeError: CUDA error at sampler.py:88")
     failed = RequestStepOutput("", error=internal)
     errors = _merged_errors([RequestStepOutput("cmpl-7"), failed], caplog, unary)
-    assert errors[0]["message"] == "internal error (request cmpl-7)"
-    assert errors[0]["status"] == 500 and "sampler.py" in caplog.text
+    assert errors == [RequestFailure(FailureKind.INTERNAL, "internal error (request cmpl-7)")]
+    assert "sampler.py" in caplog.text
     # Refusals the client can act on keep their message.
-    refused = {"status": 400, "message": "prompt: too long", "type": "BadRequestError"}
+    refused = RequestFailure(FailureKind.TOO_LONG, "prompt: too long", param="prompt")
     assert _merged_errors([RequestStepOutput("", error=refused)], caplog, unary) == [refused]

@@ -23,6 +23,7 @@ from _serve_apps import deploy_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray import LLM, SamplingParams
+from pagedray.scheduler.request_failure import FailureKind
 
 MODEL = "tiny"
 ALIAS = "tiny-alias"  # the main app's second served name (vLLM's --served-model-name a b)
@@ -606,8 +607,8 @@ def test_a_request_for_one_output_is_one_unary_call(main_url: str, offline: LLM)
     max_model_len = httpx.get(f"{main_url}/v1/models").json()["data"][0]["max_model_len"]
     too_long = {**request, "request_id": "unary-test-1", "prompt_token_ids": [5] * max_model_len}
     refused = engine.generate_once.remote(too_long).result(timeout_s=60)
-    assert refused.error is not None and refused.error["status"] == 400, refused
-    assert refused.error["param"] == "max_tokens" and not refused.deltas
+    assert refused.error is not None and refused.error.kind is FailureKind.TOO_LONG, refused
+    assert refused.error.param == "max_tokens" and not refused.deltas
 
 
 def test_a_channel_is_read_on_the_replica_that_holds_the_request(

@@ -21,6 +21,7 @@ from pagedray.engine.request_errors import (
     RequestTimeoutError,
 )
 from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
+from pagedray.scheduler.request_failure import FailureKind
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.cpu_threads import PROMPT_HEAVY_TOKENS_PER_SEQUENCE
 
@@ -213,7 +214,7 @@ def test_failed_request_ends_alone_and_the_engine_serves_on(tiny_llama: str) -> 
         neighbour = asyncio.create_task(_drain(engine.add_request("ok", ids, GREEDY)))
         with pytest.raises(RequestFailedError, match="NaN") as failure:
             await _drain(engine.add_request("bad", ids, broken))
-        assert failure.value.status == 400
+        assert failure.value.failure.kind is FailureKind.INVALID
         assert (await neighbour)[-1].finished
         assert engine.health()["healthy"]
         assert (await _drain(engine.add_request("after", ids, GREEDY)))[-1].finished

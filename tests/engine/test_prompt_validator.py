@@ -14,8 +14,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from pagedray import LLM, SamplingParams
 from pagedray.engine.chat_tokens import ChatTokenizer
 from pagedray.engine.prompt_bound import MAX_COMPOSED_CHARS, chars_per_token
-from pagedray.engine.prompt_validator import ParamError, PromptValidator, as_prompt_list
+from pagedray.engine.prompt_validator import PromptValidator, as_prompt_list
 from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.request_failure import FailureKind, RequestRefused
 from pagedray.scheduler.scheduler import Scheduler
 
 PARAMS = SamplingParams(max_tokens=4)
@@ -289,13 +290,16 @@ def test_offline_chat_reads_content_as_text(llm: LLM) -> None:
 def test_max_tokens_that_cannot_fit_is_refused_in_vllms_words(validator: PromptValidator) -> None:
     validator.check_max_tokens(60, 4)  # 64 = max_model_len: fits exactly
     validator.check_max_tokens(60, None)  # unset: up to max_model_len
-    with pytest.raises(ParamError) as refused:
+    with pytest.raises(RequestRefused) as refused:
         validator.check_max_tokens(3, 5000, "max_completion_tokens")
     assert str(refused.value) == (
         "'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's maximum "
         "context length is 64 tokens and your request has 3 input tokens (5000 > 64 - 3)."
     )
-    assert refused.value.param == "max_completion_tokens"
+    assert (refused.value.param, refused.value.kind) == (
+        "max_completion_tokens",
+        FailureKind.TOO_LONG,
+    )
     # validate() alone does not check it: the offline LLM shares it and keeps generating to
     # max_model_len.
     assert validator.validate("hello", SamplingParams(max_tokens=5000)).token_ids
@@ -305,7 +309,10 @@ def test_the_scheduler_refuses_max_tokens_only_when_asked() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=64), num_kv_blocks=16)
     scheduler.check_limits(60, n=1, max_tokens=4)
     scheduler.check_limits(60, n=1)  # add_request's check (offline): no max_tokens
-    with pytest.raises(ValueError, match=r"^max_tokens: 5 does not fit .* \(5 > 64 - 60\)$"):
+    # The same refusal as the ingress's (one limits function), in vLLM's words.
+    with pytest.raises(
+        RequestRefused, match=r"^'max_tokens' or .* is too large: 5\..* \(5 > 64 - 60\)\.$"
+    ):
         scheduler.check_limits(60, n=1, max_tokens=5)
 
 

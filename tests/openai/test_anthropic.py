@@ -25,6 +25,7 @@ from pagedray.openai.ingress_guard import http_error, route_path
 from pagedray.openai.protocol import ChatCompletionRequest
 from pagedray.openai.serving import LogprobFormatter, error_response
 from pagedray.openai.tool_calls import ToolCallOutput
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 ARGS = '{"x": 1}'
 TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
@@ -230,7 +231,7 @@ def test_a_stop_sequence_and_an_error_mid_stream() -> None:
     )
     assert stopped[3]["delta"] == {"type": "text_delta", "text": "Hi"}
     assert stopped[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
-    failure = {"status": 503, "message": "engine unavailable (request r)", "type": "X"}
+    failure = RequestFailure(FailureKind.DEAD, "engine unavailable (request r)")
     failed = _events(
         [RequestStepOutput("r", [_delta("Hi")]), RequestStepOutput("r", error=failure)], None
     )

@@ -24,6 +24,7 @@ from pagedray.scheduler.messages import (
 )
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.request import EngineRequest, Request, RequestStatus
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.scheduler.scheduler import Scheduler
 
@@ -643,11 +644,12 @@ def test_a_failed_sequence_ends_its_request_alone() -> None:
     failed = runner_output.req_ids.index("bad#1")
     del runner_output.req_ids[failed], runner_output.sampled_token_ids[failed]
     del runner_output.logprobs[failed]
-    runner_output.failed = {"bad#1": (400, "non-finite")}
+    failure = RequestFailure(FailureKind.INVALID, "non-finite")
+    runner_output.failed = {"bad#1": failure}
     outputs = scheduler.update_from_output(plan, runner_output)
     collect(results, outputs)
     errors = [out for out in outputs if out.finish_reason == "error"]
-    assert [(out.req_id, out.error) for out in errors] == [("bad", (400, "non-finite"))]
+    assert [(out.req_id, out.error) for out in errors] == [("bad", failure)]
     assert "bad#0" not in scheduler.requests and "bad" not in scheduler.children
     run_all(scheduler, worker, results)
     for req_id in ("ok", "other"):

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedray.scheduler.request_failure import FailureKind
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.inverse_cdf import inverse_cdf, snap_to_weighted
 from pagedray.workers.sampler import (
@@ -264,7 +265,11 @@ def test_non_finite_row_fails_alone() -> None:
     bad.params.repetition_penalty = 1e-300
     rows = [good[0], bad, good[1]]
     out = make_sampler()(logits, rows)
-    assert out[1].token_ids == [] and out[1].error is not None and out[1].error[0] == 400
+    assert (
+        out[1].token_ids == []
+        and out[1].error is not None
+        and out[1].error.kind is FailureKind.INVALID
+    )
     alone = [make_sampler()(logits[i : i + 1], [rows[i]])[0] for i in (0, 2)]
     assert [out[0].token_ids, out[2].token_ids] == [a.token_ids for a in alone]
     assert out[0].error is None and out[2].error is None
@@ -276,7 +281,11 @@ def test_row_that_raises_fails_alone_with_logprobs_of_the_others() -> None:
     bad.params.temperature = 10**400  # too big for a float tensor: torch raises
     ok = row(seed=3, temperature=1.0, top_p=0.5, logprobs=2)
     out = make_sampler()(logits, [bad, ok])
-    assert out[0].error is not None and out[0].error[0] == 500 and out[0].token_ids == []
+    assert (
+        out[0].error is not None
+        and out[0].error.kind is FailureKind.INTERNAL
+        and out[0].token_ids == []
+    )
     assert out[1].error is None and len(out[1].token_ids) == 1
     assert out[1].logprobs is not None and len(out[1].logprobs[0][0]) == 3
 
@@ -284,7 +293,7 @@ def test_row_that_raises_fails_alone_with_logprobs_of_the_others() -> None:
 def test_all_rows_banned_is_non_finite_not_a_crash() -> None:
     logits = torch.full((1, VOCAB), float("-inf"))
     out = make_sampler()(logits, [row(seed=1, temperature=1.0)])
-    assert out[0].error is not None and out[0].error[0] == 400
+    assert out[0].error is not None and out[0].error.kind is FailureKind.INVALID
 
 
 _ANY_NUMBER = st.one_of(
