@@ -1,4 +1,5 @@
-"""The ingress's control calls to the engine replicas: readiness, health, stats and limits.
+"""The Serve engine client's control calls to the engine replicas: readiness, health, stats and
+limits (cluster/serve_engine_client.py).
 
 Each is a broadcast to every replica. What a failed replica said (an actor death, a timeout) is
 logged under a request id and replaced by an opaque "engine unavailable (request ...)": clients
@@ -17,11 +18,12 @@ import asyncio
 import logging
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from pagedray.engine.config import EngineConfig
-from pagedray.openai.serving import engine_unavailable
+from pagedray.engine.engine_client import Health
+from pagedray.engine.request_errors import RETRY_AFTER_S
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds the ingress waits for every engine replica to answer a health or stats call.
@@ -42,9 +44,11 @@ class EngineControl:
         self.ready = False
         self._ready_lock = asyncio.Lock()
 
-    async def broadcast(self, method: str, request_id: str) -> list[dict[str, Any]] | Response:
-        """Every replica's answer to `method`, a failed one as an unhealthy entry; a 503 if no
-        replica could be asked."""
+    async def broadcast(
+        self, method: str, request_id: str
+    ) -> list[dict[str, Any]] | RequestFailure:
+        """Every replica's answer to `method`, a failed one as an unhealthy entry; the engine
+        unavailable if no replica could be asked."""
         try:
             response = self.engine.broadcast(method)
             results = await response.results_async(
@@ -52,7 +56,7 @@ class EngineControl:
             )
         except Exception as exc:  # noqa: BLE001 - no replica is up
             logger.warning("%s: engine %s broadcast failed: %r", request_id, method, exc)
-            return engine_unavailable(request_id)
+            return unavailable(request_id)
         answers = []
         for result in results:
             if isinstance(result, dict):
@@ -63,14 +67,14 @@ class EngineControl:
             answers.append({"healthy": False, "error": error})
         return answers
 
-    async def not_ready(self, request_id: str) -> Response | None:
-        """None once every engine replica can serve; until then the 503 to answer."""
+    async def not_ready(self, request_id: str) -> RequestFailure | None:
+        """None once every engine replica can serve; until then, the engine unavailable."""
         if self.ready:
             return None
-        response = await self.health(request_id)
-        return None if response.status_code == 200 else response
+        health = await self.health(request_id)
+        return health if isinstance(health, RequestFailure) else None
 
-    async def health(self, request_id: str) -> Response:
+    async def health(self, request_id: str) -> Health | RequestFailure:
         """200 `ok`, 200 `degraded` (a replica is saturated but steps), or 503 if a replica
         cannot step or the engine is not ready yet; nothing else (no replica ids, no step
         counts, no errors)."""
@@ -78,7 +82,7 @@ class EngineControl:
             return await self._become_ready(request_id)
         return await self._replica_health(request_id)
 
-    async def _become_ready(self, request_id: str) -> Response:
+    async def _become_ready(self, request_id: str) -> Health | RequestFailure:
         # One check at a time: requests arriving meanwhile wait for its answer.
         async with self._ready_lock:
             if self.ready:
@@ -86,12 +90,12 @@ class EngineControl:
             state = await self._deployment_state()
             if state != "HEALTHY":
                 logger.debug("%s: engine not ready: deployment %s", request_id, state)
-                return engine_unavailable(request_id)
-            response = await self._replica_health(request_id)
-            if response.status_code == 200:
+                return unavailable(request_id)
+            health = await self._replica_health(request_id)
+            if not isinstance(health, RequestFailure):
                 logger.info("engine ready: every replica of %s serves", self._deployment_name)
                 self.ready = True
-            return response
+            return health
 
     @property
     def _deployment_name(self) -> str:
@@ -109,16 +113,15 @@ class EngineControl:
             logger.warning("engine deployment status unknown: %r", exc)
             return "UNKNOWN"
 
-    async def _replica_health(self, request_id: str) -> Response:
+    async def _replica_health(self, request_id: str) -> Health | RequestFailure:
         replicas = await self.broadcast("health", request_id)
-        if isinstance(replicas, Response):
+        if isinstance(replicas, RequestFailure):
             return replicas
         unhealthy = [r for r in replicas if not r.get("healthy")]
         if unhealthy or not replicas:
             logger.warning("%s: engine unhealthy: %s", request_id, unhealthy or "no replicas")
-            return engine_unavailable(request_id)
-        degraded = any(r.get("degraded", False) for r in replicas)
-        return JSONResponse({"status": "degraded" if degraded else "ok"})
+            return unavailable(request_id)
+        return "degraded" if any(r.get("degraded", False) for r in replicas) else "ok"
 
     async def learn_limits(self) -> None:
         """Once: the engine's real `max_model_len` (the KV pool may cap it below the model's)
@@ -130,7 +133,7 @@ class EngineControl:
             if self._limits_known:
                 return
             replicas = await self.broadcast("stats", "engine-limits")
-            if isinstance(replicas, Response):
+            if isinstance(replicas, RequestFailure):
                 return
             answered = [r for r in replicas if "num_kv_blocks" in r]  # stats, not failures
             limits = [r["max_model_len"] for r in answered if _is_int(r.get("max_model_len"))]
@@ -141,6 +144,13 @@ class EngineControl:
                 self.max_num_waiting = min(queues)
             # An engine that does not report a limit keeps the default: ask no more.
             self._limits_known = bool(answered)
+
+
+def unavailable(request_id: str) -> RequestFailure:
+    """What a client is told when the engines cannot be reached or cannot step: no detail but
+    the request id (the cause is logged under it)."""
+    message = f"engine unavailable (request {request_id})"
+    return RequestFailure(FailureKind.DEAD, message, retry_after_s=RETRY_AFTER_S)
 
 
 def config_max_model_len(config: EngineConfig) -> int:

@@ -25,12 +25,14 @@ from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
+from pagedray.engine.local_engine_client import LocalEngineClient
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import failure_of
 from pagedray.engine.request_stream import Sink
-from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
+from pagedray.engine.step_outputs import merge_step_outputs
+from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_counts
 
@@ -96,54 +98,42 @@ class EngineDeployment:
             metrics=EngineMetrics(model_name),
             request_timeout_s=self.config.request_timeout_s or None,
         )
+        # Requests without an output channel are read as an in-process client reads them.
+        self.local = LocalEngineClient(self.engine)
         self.replica_id = _replica_id()
         self.channels = OutputChannels(self.engine.abort)
         # With KV cache events on, routers follow this engine's prefix cache (subscribe_kv).
         self.kv_index = KVIndexPublisher() if self.config.enable_kv_cache_events else None
 
-    async def generate(self, request: dict[str, Any]) -> AsyncGenerator[RequestStepOutput, None]:
-        """Stream a request's per-step outputs; the first item says whether it was accepted.
-
-        `request` holds request_id, prompt_token_ids, sampling_params (a validated
-        `SamplingParams`) and optionally priority, cache_salt, stream_interval (tokens per
-        message; None: one message at the end; default: the config's) and channel_id (the
-        outputs then go through that output channel, and this call yields only the acceptance,
-        which names this replica, and an error if the request fails). Errors are yielded as an
-        output with `error` set (never raised), so the caller can map them to HTTP statuses.
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
+        """A request's outputs: the first says whether it was accepted; a failure is an output
+        with `error` set, never raised (engine/engine_client.py's contract). With a
+        `channel_id`, the outputs go through that output channel instead, and this call yields
+        only the acceptance, which names this replica, and the failure if the request fails.
         """
-        request_id = request["request_id"]
         call_logger.debug(
-            "generate %s: %d prompt tokens", request_id, len(request["prompt_token_ids"])
+            "generate %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
-        if request.get("channel_id") is not None:
-            async for output in self._generate_to_channel(request, request["channel_id"]):
+        self._publish_kv_deltas()
+        outputs = (
+            self._generate_to_channel(request, request.channel_id)
+            if request.channel_id is not None
+            else self.local.generate(request)
+        )
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
                 yield output
-            return
-        try:
-            stream = self._add_request(request)
-        except Exception as exc:  # noqa: BLE001 - reported to the client, not raised
-            yield error_output(request_id, exc)
-            return
-        yield RequestStepOutput(request_id)  # accepted
-        # NOTE: closing the stream on cancellation or disconnect aborts the request in the engine.
-        async with contextlib.aclosing(stream):
-            try:
-                async for output in stream:
-                    yield output
-            except Exception as exc:  # noqa: BLE001
-                yield error_output(request_id, exc)
 
-    async def generate_once(self, request: dict[str, Any]) -> RequestStepOutput:
+    async def generate_once(self, request: GenerateRequest) -> RequestStepOutput:
         """`generate` as one unary call, for a request that wants one output at the end
         (stream_interval None, no channel): its refusal, its failure or its finished output.
         A stream of acceptance, output and end costs the two sides about 0.8 ms more of CPU a
         request. Cancelling the call aborts the request, as for `generate`."""
         async with contextlib.aclosing(self.generate(request)) as stream:
             outputs = [output async for output in stream]
-        failed = next((output for output in outputs if output.error is not None), None)
-        if failed is not None:
-            return failed
-        return merge_step_outputs(outputs[1:] or outputs)  # the outputs after the acceptance
+        if outputs[-1].error is not None or len(outputs) == 1:
+            return outputs[-1]  # its refusal or failure
+        return merge_step_outputs(outputs[1:])  # after the acceptance: one, if it asked for one
 
     async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:
         """Output channel `channel_id`'s batches, one per step, while the caller reads: each a
@@ -173,10 +163,10 @@ class EngineDeployment:
             yield pickle.dumps(pack_delta(delta), pickle.HIGHEST_PROTOCOL)
 
     async def _generate_to_channel(
-        self, request: dict[str, Any], channel_id: str
-    ) -> AsyncIterator[RequestStepOutput]:
+        self, request: GenerateRequest, channel_id: str
+    ) -> AsyncGenerator[RequestStepOutput, None]:
         """`generate` for a request whose outputs go to output channel `channel_id`."""
-        request_id = request["request_id"]
+        request_id = request.request_id
         ended: asyncio.Future[RequestStepOutput | None] = asyncio.get_running_loop().create_future()
         channel = self.channels.open(channel_id)
 
@@ -220,17 +210,14 @@ class EngineDeployment:
         if self.kv_index is not None and core.kv_delta_listener is None:
             core.kv_delta_listener = self.kv_index.listener(asyncio.get_running_loop())
 
-    def _add_request(
-        self, request: dict[str, Any], sink: Sink | None = None
-    ) -> AsyncGenerator[RequestStepOutput, None]:
-        self._publish_kv_deltas()
-        return self.engine.add_request(
-            request["request_id"],
-            request["prompt_token_ids"],
-            request["sampling_params"],
-            priority=request.get("priority", 0),
-            cache_salt=request.get("cache_salt"),
-            stream_interval=request.get("stream_interval", self.config.stream_interval),
+    def _add_request(self, request: GenerateRequest, sink: Sink) -> None:
+        self.engine.add_request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            stream_interval=request.stream_interval,
             sink=sink,
         )
 

@@ -34,15 +34,12 @@ from ray.serve.request_router import (
 # process that routes, and a global bound here would travel as a copy of the ingress's views
 # instead of naming them; a module is pickled by name, so `kv_views.KV_VIEWS` is this process's.
 from pagedray.cluster import kv_views
-from pagedray.cluster.kv_views import ROUTING_HASHES_KEY
 from pagedray.cluster.metrics import RouterMetrics
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
+from pagedray.engine.wire import GenerateRequest
 
 # Ongoing requests by which the best-matching replica may exceed the lightest and still be chosen.
 DEFAULT_LOAD_THRESHOLD = 32
-# Where a routed call's decision waits in its request dict for the replica that takes it
-# (popped then, so it never travels to the engine).
-ROUTING_DECISION_KEY = "_routing_decision"
 
 
 @dataclass(frozen=True)
@@ -184,29 +181,35 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     def _record_decision(self, pending: PendingRequest, replica_id: str) -> None:
         """Count the call `pending` as routed to `replica_id`, and take its decision out of the
         request (before the request is sent)."""
-        request = pending.args[0] if pending.args else None
-        if not isinstance(request, dict):
+        request = _generate_request(pending)
+        if request is None:
             return
-        decision = request.pop(ROUTING_DECISION_KEY, None)
+        decision, request.routing_decision = request.routing_decision, None
         if decision is not None and self.metrics is not None:
             self.metrics.record(replica_id, *decision.for_replica(replica_id))
 
 
+def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    """The engine request a call carries; None for calls that are not the engines' generation
+    calls (health, stats, subscriptions)."""
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, GenerateRequest) else None
+
+
 def _keep_decision(pending_request: PendingRequest | None, decision: RoutingDecision) -> None:
-    """Leave `decision` in the call's request dict until a replica takes it (a retry replaces
-    it). Calls without a request dict are not the engines' generation calls: not counted."""
-    if pending_request is not None and pending_request.args:
-        request = pending_request.args[0]
-        if isinstance(request, dict):
-            request[ROUTING_DECISION_KEY] = decision
+    """Leave `decision` on the call's request until a replica takes it (a retry replaces it);
+    it never leaves this process (`GenerateRequest` does not pickle it)."""
+    request = _generate_request(pending_request)
+    if request is not None:
+        request.routing_decision = decision
 
 
 def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes] | None:
     """The call's routing hashes; None when the ingress gave none (not cache-aware)."""
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
-    return request.get(ROUTING_HASHES_KEY) if isinstance(request, dict) else None
+    request = _generate_request(pending_request)
+    return request.routing_hashes if request is not None else None
 
 
 def addressed_replica(pending_request: PendingRequest | None) -> str | None:

@@ -24,8 +24,6 @@ from pagedray.scheduler.prefix_hash import compute_block_hashes
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds between attempts to follow a live replica again after its stream broke.
 RESUBSCRIBE_AFTER_S = 1.0
-# The request field that carries its routing hashes from the ingress to the router.
-ROUTING_HASHES_KEY = "routing_hashes"
 
 
 class KVViews:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from pagedray.cluster.server_config import DEFAULT_MAX_RESPONSES, DEFAULT_RESPONSES_TTL_S
 from pagedray.openai.response_store import ResponseStore
@@ -38,11 +39,7 @@ class ResponseStoreDeployment:
 
     def put(self, response_id: str, record: dict[str, Any]) -> bool:
         """False when the record alone is over the byte bound (it is then not kept)."""
-        try:
-            self.store.put(response_id, record)
-        except ValueError:
-            return False
-        return True
+        return self.store.put_if_fits(response_id, record)
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         return self.store.get(response_id)
@@ -52,3 +49,20 @@ class ResponseStoreDeployment:
 
     def stats(self) -> dict[str, int]:
         return self.store.stats()
+
+
+class ServeResponseStore:
+    """The store deployment behind `handle`, as a `ResponseStoreClient`."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+
+    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
+        return bool(await self.handle.put.remote(response_id, record))
+
+    async def get(self, response_id: str) -> dict[str, Any] | None:
+        record: dict[str, Any] | None = await self.handle.get.remote(response_id)
+        return record
+
+    async def delete(self, response_id: str) -> bool:
+        return bool(await self.handle.delete.remote(response_id))

@@ -31,8 +31,8 @@ from pagedray.engine.request_errors import (
 )
 from pagedray.engine.request_stream import RequestStream, Sink
 from pagedray.engine.step_metrics import EngineMetrics, StepMetricsRecorder
-from pagedray.engine.step_outputs import RequestStepOutput, usage_of
 from pagedray.engine.step_runner import FinishedStep, StepRunner
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -342,8 +342,6 @@ class AsyncEngine:
             if state.finished:
                 self.output_processor.requests.pop(request_id)
                 output.finished = True
-                output.usage = usage_of(state)
-                output.metrics = state.timing()
                 self._recorder.finished(state)
             request_stream = self._streams.get(request_id)
             if request_stream is not None:

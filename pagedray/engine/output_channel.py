@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.wire import RequestStepOutput
 
 # The keyword argument that addresses a subscription to one engine replica (its unique id);
 # the engine deployment's request router reads it.

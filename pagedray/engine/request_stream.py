@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncGenerator, Callable
 
-from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer, merge_step_outputs
+from pagedray.engine.step_outputs import StreamCoalescer, merge_step_outputs
+from pagedray.engine.wire import RequestStepOutput
 
 Sink = Callable[[RequestStepOutput | BaseException], None]
 

@@ -1,32 +1,14 @@
-"""What a serving engine streams for one request each step, and how consecutive ones merge.
-
-Shared by the engine loop (`async_engine.py`, which holds outputs back for `--stream-interval`),
-the engine deployment (which forwards them) and the ingress (which reads them).
+"""How consecutive outputs of one request become one message: held back in the engine for
+`--stream-interval` (`StreamCoalescer`), and joined where a reader fell behind (the engine's
+request streams, the ingress's output channel reader).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
-from pagedray.engine.output_processor import ChoiceDelta, RequestState
-from pagedray.scheduler.request_failure import RequestFailure
-
-
-@dataclass
-class RequestStepOutput:
-    """What one engine step produced for one request; the last one carries usage and timing."""
-
-    request_id: str
-    deltas: list[ChoiceDelta] = field(default_factory=list)  # one per choice that advanced
-    finished: bool = False  # every choice has a finish reason
-    usage: dict[str, int] | None = None  # prompt/completion/total/cached tokens, when finished
-    metrics: dict[str, float] | None = None  # arrival, first token, finish (s, time.time())
-    error: RequestFailure | None = None  # set instead of deltas when the request failed
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known after prefill)
-    # On the acceptance of a request whose outputs go through an output channel: the engine
-    # replica that holds it, whose channel the caller subscribes to (`output_channel.py`).
-    replica_id: str | None = None
+from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.engine.wire import RequestStepOutput
 
 
 class StreamCoalescer:
@@ -86,7 +68,6 @@ def merge_step_outputs(outputs: list[RequestStepOutput]) -> RequestStepOutput:
         [_join(deltas) for deltas in by_choice.values()],
         last.finished,
         last.usage,
-        last.metrics,
         last.error,
         max(output.num_cached_tokens for output in outputs),
     )
@@ -108,14 +89,3 @@ def _join(deltas: list[ChoiceDelta]) -> ChoiceDelta:
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
-
-
-def usage_of(state: RequestState) -> dict[str, int]:
-    prompt_tokens = len(state.prompt_token_ids)
-    completion_tokens = sum(len(choice.token_ids) for choice in state.choices)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "cached_tokens": state.num_cached_tokens,
-    }

@@ -1,189 +1,130 @@
-"""The engine-side streams of one client request: opened together, given their text here, merged.
+"""The engine requests of one client request: opened together, given their text here, merged.
 
-One client request may be several engine requests (a batch of completion prompts); their streams
-are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI numbers them
-(`answers.py`). The engine streams token ids; the text, stop strings included, is made here
-(`RequestText`).
+One client request may be several engine requests (a batch of completion prompts); their
+outputs are merged here, and choice `i` of prompt `p` becomes choice `p * n + i` as OpenAI
+numbers them (`answers.py`). The engine sends token ids; the text, stop strings and the usage
+a client sees are made here (`RequestText`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, AsyncIterator
 
+from pagedray.engine.engine_client import EngineClient
 from pagedray.engine.request_text import RequestText
-from pagedray.engine.step_outputs import RequestStepOutput, merge_step_outputs
-from pagedray.openai.output_subscriber import OutputSubscriber
+from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
-# Seconds a streamed request's finish may trail its call's end (they travel on separate streams).
-CHANNEL_LAG_S = 10.0
 
 
 class EngineStreams:
-    """The engine-side streams of one client request, opened together, given their text here
-    (the engine streams token ids) and merged.
+    """The engine requests of one client request, through one `EngineClient`: `open` waits for
+    each to be accepted, `merged` brings their outputs with text, as they come.
 
-    With a `subscriber`, streamed requests (a `stream_interval`) take their outputs from the
-    engines' output channels, and their own calls carry only acceptance and failure. A request
-    that wants one output at the end (`stream_interval` None) is one unary call
-    (`generate_once`): its answer is its refusal, failure or output, so it is not waited for
-    in `open`.
-
-    A stream whose every choice has ended here (a stop string) is finished at once and its
-    engine request cancelled, which aborts it in the engine.
+    A request whose every choice has ended here (a stop string) is finished at once and its
+    stream closed, which aborts it in the engine.
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        requests: list[dict[str, Any]],
-        tokenizer: Any,
-        subscriber: OutputSubscriber | None = None,
-    ) -> None:
-        streaming = engine.options(stream=True)
-        self.request_ids = [request["request_id"] for request in requests]
+    def __init__(self, client: EngineClient, requests: list[GenerateRequest], tokenizer: Any):
+        self.request_ids = [request.request_id for request in requests]
         self.texts = [
-            RequestText(tokenizer, request["prompt_token_ids"], request["sampling_params"])
+            RequestText(tokenizer, request.prompt_token_ids, request.sampling_params)
             for request in requests
         ]
-        # (prompt index, an output, an error, or None: the request's own call ended)
-        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self.subscriber = subscriber
-        self.by_channel: set[int] = set()
-        self.unary = {
-            index
-            for index, request in enumerate(requests)
-            if "stream_interval" in request and request["stream_interval"] is None
-        }
-        if subscriber is not None:
-            for index, request in enumerate(requests):
-                if request.get("stream_interval") is not None:
-                    request["channel_id"] = subscriber.channel_id
-                    deliver = functools.partial(_put_indexed, self.queue, index)
-                    subscriber.register(request["request_id"], deliver)
-                    self.by_channel.add(index)
-        # A stream (DeploymentResponseGenerator) per request, or a DeploymentResponse if unary.
-        self.calls = [
-            engine.generate_once.remote(request)
-            if index in self.unary
-            else streaming.generate.remote(request)
-            for index, request in enumerate(requests)
-        ]
+        self.streams = [client.generate(request) for request in requests]
+        # What each stream brought with its acceptance (a one-message request's answer).
+        self.firsts: list[RequestStepOutput | None] = [None] * len(requests)
+        # With several streams, the task per stream that feeds `merged` its outputs.
+        self.pumps: dict[int, asyncio.Task[None]] = {}
 
     async def open(self) -> RequestFailure | None:
-        """Wait until every streamed engine request is accepted; returns the first refusal, if
-        any. A unary request's refusal comes as its answer, through `merged`."""
-        streamed = [i for i in range(len(self.calls)) if i not in self.unary]
+        """Wait until every engine request is accepted; returns the first refusal, if any."""
         try:
             firsts = await asyncio.gather(
-                *(self.calls[i].__anext__() for i in streamed), return_exceptions=True
+                *(anext(stream) for stream in self.streams), return_exceptions=True
             )
         except BaseException:  # cancelled: the client went away before admission
-            self.close()
+            await self.close()
             raise
-        first_of = dict(zip(streamed, firsts))
-        for index, first in first_of.items():
-            error = _error_of(first, self.request_ids[index])
-            if error is not None:
-                self.close()
-                return error
-        for index in self.by_channel:
-            assert self.subscriber is not None
-            replica_id = getattr(first_of[index], "replica_id", None)
-            self.subscriber.accepted(self.request_ids[index], replica_id)
+        for index, first in enumerate(firsts):
+            if isinstance(first, BaseException):  # a client breaks its contract: no output
+                logger.error("request %s: no acceptance", self.request_ids[index], exc_info=first)
+                first = RequestStepOutput(self.request_ids[index], error=self._internal(index))
+            failure = self._failure(index, first)
+            if failure is not None:
+                await self.close()
+                return failure
+            if first.deltas or first.finished:
+                self.firsts[index] = first
         return None
 
     async def merged(self) -> AsyncGenerator[tuple[int, RequestStepOutput], None]:
-        """(prompt index, output) as they arrive; the streams are cancelled if this is closed."""
-        queue = self.queue
-        tasks = self._pump_calls()
-        done: set[int] = set()  # streams finished here: later items are dropped
-        calls_ended: set[int] = set()
-        held: tuple[int, Any] | None = None  # taken from the queue, not yet handled
+        """(prompt index, output) as they arrive, the last of each with its usage; a failure is
+        an output whose `error` is set. Closing this closes every stream (aborting the rest)."""
         try:
-            while len(calls_ended) < len(tasks) or len(done) < len(tasks):
-                if held is not None:
-                    (index, item), held = held, None
-                else:
-                    index, item = await queue.get()
-                if item is None:
-                    calls_ended.add(index)
-                    if index in self.by_channel and index not in done:
-                        # Its finish travels on the channel, which may lag the call's end.
-                        lost = ChannelLostError(self.request_ids[index])
-                        asyncio.get_running_loop().call_later(
-                            CHANNEL_LAG_S, queue.put_nowait, (index, lost)
-                        )
-                    else:
-                        done.add(index)
+            async for index, item in self._arrivals():
+                failure = self._failure(index, item)
+                if failure is not None:
+                    yield index, RequestStepOutput(item.request_id, error=failure)
+                    await self._close_stream(index)
                     continue
-                if index in done:
-                    continue
-                error = _error_of(item, self.request_ids[index])
-                if error is not None:
-                    done.add(index)
-                    yield index, RequestStepOutput("", error=error)
-                    continue
-                item, held = self._with_queued(index, item)
                 output = self._with_text(index, item)
-                if output.finished:
-                    done.add(index)
-                    if not item.finished:  # ended here: the engine need not go on
-                        tasks[index].cancel()
-                        self.calls[index].cancel()
+                if output.finished and not item.finished:  # ended here: the engine need not go on
+                    await self._close_stream(index)
                 yield index, output
         finally:
-            for task in tasks:
-                task.cancel()
-            self.close()
+            await self.close()
 
-    def _pump_calls(self) -> list[asyncio.Task[None]]:
-        """A task per engine call feeding the queue its items, then a None when it ends."""
+    async def _arrivals(self) -> AsyncIterator[tuple[int, RequestStepOutput]]:
+        """Each stream's outputs until its last, as they come; one stream is read directly, several
+        through a queue that one task per stream feeds."""
+        for index, first in enumerate(self.firsts):
+            if first is not None:
+                yield index, first
+        open_streams = {i for i, first in enumerate(self.firsts) if not _is_last(first)}
+        if len(self.streams) == 1:
+            if open_streams:
+                async for output in self.streams[0]:
+                    yield 0, output
+                    if _is_last(output):
+                        break
+            return
+        queue: asyncio.Queue[tuple[int, RequestStepOutput]] = asyncio.Queue()
+        self.pumps = {i: asyncio.create_task(self._pump(i, queue)) for i in open_streams}
+        try:
+            while open_streams:
+                index, output = await queue.get()
+                if index not in open_streams:
+                    continue  # closed here meanwhile
+                if _is_last(output):
+                    open_streams.discard(index)
+                yield index, output
+        finally:
+            for pump in self.pumps.values():
+                pump.cancel()
 
-        async def pump(index: int, call: Any) -> None:
-            try:
-                if index in self.unary:
-                    self.queue.put_nowait((index, await call))
-                    return
-                async for item in call:
-                    self.queue.put_nowait((index, item))
-            except asyncio.CancelledError:
-                pass  # ended here (a stop string) or by the caller
-            except Exception as exc:  # noqa: BLE001 - the replica died or the call failed
-                self.queue.put_nowait((index, exc))
+    async def _pump(self, index: int, queue: asyncio.Queue[tuple[int, RequestStepOutput]]) -> None:
+        async for output in self.streams[index]:
+            queue.put_nowait((index, output))
+            if _is_last(output):
+                return
 
-        def ended(index: int, _task: asyncio.Task[None]) -> None:
-            self.queue.put_nowait((index, None))
+    def _failure(self, index: int, output: RequestStepOutput) -> RequestFailure | None:
+        """The failure an output carries, fit for the client: an internal error says only that,
+        with the request id; the detail goes to the log under that id."""
+        failure = output.error
+        if failure is not None and failure.kind is FailureKind.INTERNAL:
+            request_id = self.request_ids[index]
+            logger.error("request %s: engine error: %s", request_id, failure.message)
+            return self._internal(index)
+        return failure
 
-        tasks = []
-        for index, call in enumerate(self.calls):
-            task = asyncio.create_task(pump(index, call))
-            # NOTE: a callback, not the pump's `finally`: a task cancelled before it first ran
-            # (a stop string in outputs the channel queued early) never runs its body.
-            task.add_done_callback(functools.partial(ended, index))
-            tasks.append(task)
-        return tasks
-
-    def _with_queued(
-        self, index: int, output: RequestStepOutput
-    ) -> tuple[RequestStepOutput, tuple[int, Any] | None]:
-        """`output` and the outputs of the same engine request queued right behind it, as one
-        (vLLM's `RequestOutputCollector`): a reader that falls behind the engine's steps then
-        writes fewer, larger chunks of the same text, and the ingress spends less per token
-        where it is busiest. Also returns the first queued item that could not join (another
-        prompt's, an error, a call's end), to be handled next."""
-        queued = [output]
-        while not queued[-1].finished and not self.queue.empty():
-            next_index, item = self.queue.get_nowait()
-            mergeable = isinstance(item, RequestStepOutput) and item.error is None
-            if next_index != index or not mergeable:
-                return merge_step_outputs(queued), (next_index, item)
-            queued.append(item)
-        return merge_step_outputs(queued), None
+    def _internal(self, index: int) -> RequestFailure:
+        message = f"internal error (request {self.request_ids[index]})"
+        return RequestFailure(FailureKind.INTERNAL, message)
 
     def _with_text(self, index: int, output: RequestStepOutput) -> RequestStepOutput:
         text = self.texts[index]
@@ -199,41 +140,21 @@ class EngineStreams:
                 "cached_tokens": output.num_cached_tokens,
             }
         return RequestStepOutput(
-            output.request_id,
-            deltas,
-            finished,
-            usage,
-            output.metrics,
-            num_cached_tokens=output.num_cached_tokens,
+            output.request_id, deltas, finished, usage, num_cached_tokens=output.num_cached_tokens
         )
 
-    def close(self) -> None:
-        # NOTE: cancelling a handle call cancels the replica's generator, which aborts the request.
-        for call in self.calls:
-            call.cancel()
-        if self.subscriber is not None:
-            for index in self.by_channel:
-                self.subscriber.unregister(self.request_ids[index])
+    async def _close_stream(self, index: int) -> None:
+        pump = self.pumps.get(index)
+        if pump is not None and not pump.done():
+            pump.cancel()
+            await asyncio.wait([pump])  # NOTE: never raises the pump's own cancellation
+        await self.streams[index].aclose()
+
+    async def close(self) -> None:
+        """Close every stream: those still open abort their engine requests."""
+        for index in range(len(self.streams)):
+            await self._close_stream(index)
 
 
-class ChannelLostError(RuntimeError):
-    """A streamed request's call ended, but its finish never came through the output channel."""
-
-
-def _put_indexed(queue: asyncio.Queue[tuple[int, Any]], index: int, output: Any) -> None:
-    queue.put_nowait((index, output))
-
-
-def _error_of(item: Any, request_id: str) -> RequestFailure | None:
-    """The failure an engine stream item carries, fit for the client: a raised exception (the
-    replica died, the call failed) or an internal error says only that, with the request id;
-    the detail goes to the log under that id."""
-    if isinstance(item, BaseException):
-        logger.warning("request %s: engine call failed: %r", request_id, item)
-        message = f"engine unavailable (request {request_id})"
-        return RequestFailure(FailureKind.DEAD, message)
-    failure: RequestFailure | None = item.error
-    if failure is not None and failure.kind is FailureKind.INTERNAL:
-        logger.error("request %s: engine error: %s", request_id, failure.message)
-        return RequestFailure(FailureKind.INTERNAL, f"internal error (request {request_id})")
-    return failure
+def _is_last(output: RequestStepOutput | None) -> bool:
+    return output is not None and (output.finished or output.error is not None)

@@ -1,7 +1,8 @@
 """A bounded in-memory store of Responses, so `previous_response_id` and `GET /v1/responses/{id}`
 find them: bounded by count, by bytes and by age, as a server must not grow without limit.
 
-Ray-free; a Serve deployment wraps it so that every ingress replica reaches the same store.
+Ray-free; a server reaches it through a `ResponseStoreClient`: in-process (`LocalResponseStore`),
+or a Serve deployment that every ingress replica reaches (cluster/response_store_deployment.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 
 @dataclass
@@ -71,6 +72,14 @@ class ResponseStore:
             self._remove(next(iter(self._by_use)))
             self._num_evicted += 1
 
+    def put_if_fits(self, response_id: str, record: dict[str, Any]) -> bool:
+        """`put`, or False when the record alone is over `max_bytes` (it is then not kept)."""
+        try:
+            self.put(response_id, record)
+        except ValueError:
+            return False
+        return True
+
     def get(self, response_id: str) -> dict[str, Any] | None:
         """The record stored under `response_id`, or None if unknown, evicted or expired."""
         self._drop_expired(self._clock())
@@ -116,3 +125,31 @@ class ResponseStore:
         entry = self._by_use.pop(response_id)
         del self._by_put[response_id]
         self._num_bytes -= len(entry.data)
+
+
+class ResponseStoreClient(Protocol):
+    """How a server reaches its store, wherever it is."""
+
+    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
+        """False when the record alone is over the store's byte bound (it is then not kept)."""
+        ...
+
+    async def get(self, response_id: str) -> dict[str, Any] | None: ...
+
+    async def delete(self, response_id: str) -> bool: ...
+
+
+class LocalResponseStore:
+    """A `ResponseStore` in this process, as a `ResponseStoreClient`."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def put(self, response_id: str, record: dict[str, Any]) -> bool:
+        return self.store.put_if_fits(response_id, record)
+
+    async def get(self, response_id: str) -> dict[str, Any] | None:
+        return self.store.get(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)

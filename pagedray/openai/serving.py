@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.openai.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -292,12 +292,6 @@ def engine_error_response(failure: RequestFailure) -> JSONResponse:
     if retry_after is not None:
         response.headers["Retry-After"] = str(max(0, int(retry_after)))
     return response
-
-
-def engine_unavailable(request_id: str) -> JSONResponse:
-    """503 for an engine that cannot be reached or cannot step; no detail but the request id."""
-    message = f"engine unavailable (request {request_id})"
-    return engine_error_response(RequestFailure(FailureKind.DEAD, message))
 
 
 class HTTPMetricsMiddleware:

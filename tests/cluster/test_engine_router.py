@@ -4,6 +4,7 @@ with Serve, is exercised in test_openai_server.py."""
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,11 +12,12 @@ import pytest
 
 from pagedray.cluster import engine_router, kv_views
 from pagedray.cluster.engine_router import (
-    ROUTING_DECISION_KEY,
     EngineRequestRouter,
     RoutingDecision,
 )
-from pagedray.cluster.kv_views import ROUTING_HASHES_KEY, KVViews
+from pagedray.cluster.kv_views import KVViews
+from pagedray.engine.wire import GenerateRequest
+from pagedray.scheduler.sampling_params import SamplingParams
 
 H = [bytes([i]) * 8 for i in range(4)]
 
@@ -93,16 +95,22 @@ def test_the_decision_is_told_for_the_replica_that_took_the_call() -> None:
 
 
 def test_a_routed_call_is_counted_once_and_its_decision_never_sent(views: KVViews) -> None:
-    """The decision rides in the request dict from ranking to the replica that takes it."""
+    """The decision rides on the request from ranking to the replica that takes it, and neither
+    it nor the routing hashes are pickled with the request."""
     recorded: list[tuple[str, str, int | None]] = []
     router = _router({"a": 0, "b": 0})
     router.metrics = SimpleNamespace(record=lambda *call: recorded.append(call))  # type: ignore[assignment]
     views.by_replica = {"a": {H[0], H[1]}, "b": {H[0]}}
-    request: dict[str, Any] = {"prompt_token_ids": [1], ROUTING_HASHES_KEY: H}
+    request = GenerateRequest("r", [1], SamplingParams(), routing_hashes=H)
     pending = SimpleNamespace(args=[request], kwargs={})
     _, decision = router._by_cached_prefix([_replica("a"), _replica("b")], H)
     engine_router._keep_decision(pending, decision)  # type: ignore[arg-type]
     router._record_decision(pending, "b")  # type: ignore[arg-type]
     router._record_decision(pending, "b")  # type: ignore[arg-type]  # no second count
     assert recorded == [("b", "load_fallback", 1)]
-    assert ROUTING_DECISION_KEY not in request
+    assert request.routing_decision is None
+    engine_router._keep_decision(pending, decision)  # type: ignore[arg-type]
+    sent = pickle.loads(pickle.dumps(request))
+    assert sent.routing_hashes is None and sent.routing_decision is None
+    assert (sent.request_id, sent.prompt_token_ids) == ("r", [1])
+    assert request.routing_hashes == H and request.routing_decision is decision

@@ -1,4 +1,5 @@
-"""The ingress's engine streams with output channels, against a stand-in engine handle."""
+"""The ingress's engine streams through the Serve engine client (cluster/serve_engine_client.py)
+and its output channels, against a stand-in engine handle."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from pagedray.cluster.engine_control import EngineControl
+from pagedray.cluster.serve_engine_client import ServeEngineClient
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.openai.engine_streams import EngineStreams
-from pagedray.openai.output_subscriber import OutputSubscriber
 from pagedray.scheduler.sampling_params import SamplingParams
 
 
@@ -33,7 +35,8 @@ class _StandInEngine:
         return self
 
     def remote(self, *args: Any, **kwargs: Any) -> _Call:
-        request_id = args[0]["request_id"] if isinstance(args[0], dict) else "subscription"
+        request = args[0]
+        request_id = request.request_id if isinstance(request, GenerateRequest) else "subscription"
         return _Call(self, request_id)
 
 
@@ -65,21 +68,16 @@ def test_a_stop_string_in_outputs_queued_before_the_stream_is_read_ends_it(
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     token_ids = tokenizer.encode("hello world again", add_special_tokens=False)
     params = SamplingParams(max_tokens=16, stop=["world"])
-    request = {
-        "request_id": "cmpl-1",
-        "prompt_token_ids": [1, 2],
-        "sampling_params": params,
-        "stream_interval": 1,
-    }
+    request = GenerateRequest("cmpl-1", [1, 2], params, stream_interval=1)
     engine = _StandInEngine()
 
     async def run() -> list[RequestStepOutput]:
-        subscriber = OutputSubscriber(engine)
-        streams = EngineStreams(engine, [request], tokenizer, subscriber)
-        assert request["channel_id"] == subscriber.channel_id
+        client = _client(engine)
+        streams = EngineStreams(client, [request], tokenizer)
         assert await streams.open() is None
+        assert request.channel_id == client.subscriber.channel_id
         delta = ChoiceDelta("cmpl-1", 0, "", token_ids, None, None, None)
-        subscriber._deliver([RequestStepOutput("cmpl-1", [delta])])  # as a channel batch
+        client.subscriber._deliver([RequestStepOutput("cmpl-1", [delta])])  # a channel batch
         return [output async for _, output in streams.merged()]
 
     outputs = asyncio.run(asyncio.wait_for(run(), 10.0))
@@ -88,13 +86,14 @@ def test_a_stop_string_in_outputs_queued_before_the_stream_is_read_ends_it(
     assert "cmpl-1" in engine.cancelled  # the engine request is aborted
 
 
-def _streamed_request(request_id: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "request_id": request_id,
-        "prompt_token_ids": [1, 2],
-        "sampling_params": SamplingParams(max_tokens=max_tokens),
-        "stream_interval": 1,
-    }
+def _client(engine: _StandInEngine) -> ServeEngineClient:
+    return ServeEngineClient(engine, EngineControl(engine, max_model_len=64))  # type: ignore[arg-type]
+
+
+def _streamed_request(request_id: str, max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(
+        request_id, [1, 2], SamplingParams(max_tokens=max_tokens), stream_interval=1
+    )
 
 
 def _token_output(request_id: str, token_id: int, finish: str | None) -> RequestStepOutput:
@@ -113,10 +112,9 @@ def test_outputs_queued_behind_a_slow_reader_leave_as_one_with_the_same_text(
     engine = _StandInEngine()
 
     async def read(request_id: str, behind: bool) -> list[RequestStepOutput]:
-        subscriber = OutputSubscriber(engine)
-        streams = EngineStreams(
-            engine, [_streamed_request(request_id, len(token_ids))], tokenizer, subscriber
-        )
+        client = _client(engine)
+        subscriber = client.subscriber
+        streams = EngineStreams(client, [_streamed_request(request_id, len(token_ids))], tokenizer)
         assert await streams.open() is None
         steps = [
             _token_output(request_id, token, "length" if i == len(token_ids) - 1 else None)

@@ -31,7 +31,8 @@ PREFLIGHT = {
 def _client(monkeypatch: pytest.MonkeyPatch, cors: CORSSettings) -> tuple[TestClient, list[str]]:
     """A client of the app as a replica with `cors` and an API key runs it, and the paths of
     the requests that reached the metrics middleware."""
-    replica = SimpleNamespace(guard=GuardSettings(api_key_digest(KEY)), cors=cors)
+    server = SimpleNamespace(guard=GuardSettings(api_key_digest(KEY)), cors=cors)
+    replica = SimpleNamespace(server=server, metrics=SimpleNamespace(record=lambda *_: None))
     monkeypatch.setattr(ingress_deployment, "_replica", lambda: replica)
     measured: list[str] = []
     measure = HTTPMetricsMiddleware.__call__

@@ -13,7 +13,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.cluster.engine_control import EngineControl
+from pagedray.cluster.serve_engine_client import ServeEngineClient
+from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings, IngressGuard, api_key_digest
 from pagedray.openai.request_body import MAX_JSON_DEPTH, BodyError, parse_json_body
@@ -161,7 +163,7 @@ def test_every_failure_kind_has_a_status() -> None:
 
 class _FakeHandle:
     """A DeploymentHandle whose generate streams yield `items` (an exception is raised), and
-    whose unary `generate_once` answers the last of them."""
+    whose unary `generate_once` answers the last of them; the output channel brings nothing."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
@@ -171,7 +173,7 @@ class _FakeHandle:
     def options(self, stream: bool) -> _FakeHandle:
         return self
 
-    def remote(self, request: dict[str, Any]) -> Any:
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
         return _FakeGenerator(list(self.items))
 
 
@@ -179,7 +181,7 @@ class _FakeUnary:
     def __init__(self, answer: Any) -> None:
         self.answer = answer
 
-    def remote(self, request: dict[str, Any]) -> _FakeResponse:
+    def remote(self, request: GenerateRequest) -> _FakeResponse:
         return _FakeResponse(self.answer)
 
 
@@ -228,10 +230,10 @@ def _merged_errors(
     `unary`, of a request that wants one output at the end (one unary call, `generate_once`)."""
 
     async def run() -> list[RequestFailure]:
-        request = {"request_id": "cmpl-7", "prompt_token_ids": [1], "sampling_params": PARAMS}
-        if unary:
-            request["stream_interval"] = None
-        streams = EngineStreams(_FakeHandle(items), [request], tokenizer=None)
+        request = GenerateRequest("cmpl-7", [1], PARAMS, stream_interval=None if unary else 1)
+        handle = _FakeHandle(items)
+        client = ServeEngineClient(handle, EngineControl(handle, max_model_len=64))  # type: ignore[arg-type]
+        streams = EngineStreams(client, [request], tokenizer=None)
         refused = await streams.open()
         if refused is not None:
             return [refused]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import json
 import pickle
@@ -23,6 +24,7 @@ from _serve_apps import deploy_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray import LLM, SamplingParams
+from pagedray.engine.wire import GenerateRequest
 from pagedray.scheduler.request_failure import FailureKind
 
 MODEL = "tiny"
@@ -593,19 +595,16 @@ def test_a_request_for_one_output_is_one_unary_call(main_url: str, offline: LLM)
 
     engine = serve.get_deployment_handle("PagedRayEngine", "main")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    request = {
-        "request_id": "unary-test-0",
-        "prompt_token_ids": [2, 7, 1, 8, 2],
-        "sampling_params": params,
-        "stream_interval": None,
-    }
+    request = GenerateRequest("unary-test-0", [2, 7, 1, 8, 2], params, stream_interval=None)
     output = engine.generate_once.remote(request).result(timeout_s=60)
     assert output.error is None and output.finished
-    expected = offline.generate([{"prompt_token_ids": request["prompt_token_ids"]}], params)
+    expected = offline.generate([{"prompt_token_ids": request.prompt_token_ids}], params)
     assert [t for d in output.deltas for t in d.token_ids] == expected[0].outputs[0].token_ids
-    assert output.usage is not None and output.usage["completion_tokens"] == 6
+    assert output.usage is None  # the ingress counts what it sends: text and usage are its own
     max_model_len = httpx.get(f"{main_url}/v1/models").json()["data"][0]["max_model_len"]
-    too_long = {**request, "request_id": "unary-test-1", "prompt_token_ids": [5] * max_model_len}
+    too_long = dataclasses.replace(
+        request, request_id="unary-test-1", prompt_token_ids=[5] * max_model_len
+    )
     refused = engine.generate_once.remote(too_long).result(timeout_s=60)
     assert refused.error is not None and refused.error.kind is FailureKind.TOO_LONG, refused
     assert refused.error.param == "max_tokens" and not refused.deltas
@@ -620,13 +619,9 @@ def test_a_channel_is_read_on_the_replica_that_holds_the_request(
 
     engine = serve.get_deployment_handle("PagedRayEngine", "main").options(stream=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    request = {
-        "request_id": "channel-test-0",
-        "prompt_token_ids": [3, 1, 4, 1, 5],
-        "sampling_params": params,
-        "stream_interval": 1,
-        "channel_id": "channel-test",
-    }
+    request = GenerateRequest(
+        "channel-test-0", [3, 1, 4, 1, 5], params, stream_interval=1, channel_id="channel-test"
+    )
     call = engine.generate.remote(request)
     accepted = next(call)
     assert accepted.error is None and accepted.replica_id
@@ -638,10 +633,9 @@ def test_a_channel_is_read_on_the_replica_that_holds_the_request(
             break
     batches.cancel()
     assert list(call) == []  # the request's own call ends without an error
-    expected = offline.generate([{"prompt_token_ids": request["prompt_token_ids"]}], params)
+    expected = offline.generate([{"prompt_token_ids": request.prompt_token_ids}], params)
     tokens = [t for output in outputs for d in output.deltas for t in d.token_ids]
-    assert tokens == expected[0].outputs[0].token_ids
-    assert outputs[-1].usage is not None and outputs[-1].usage["completion_tokens"] == 6
+    assert tokens == expected[0].outputs[0].token_ids and outputs[-1].finished
     start = time.perf_counter()
     with pytest.raises(Exception, match="engine replica no-such-replica is gone"):
         next(engine.subscribe.remote("channel-test", replica_id="no-such-replica"))

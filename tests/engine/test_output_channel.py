@@ -13,7 +13,7 @@ from pagedray.engine.engine_factory import build_engine
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import RequestAbortedError
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.scheduler.sampling_params import SamplingParams
 
 

@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor
 from pagedray.engine.request_text import RequestText
-from pagedray.engine.step_outputs import RequestStepOutput, StreamCoalescer
+from pagedray.engine.step_outputs import StreamCoalescer
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.sampling_params import SamplingParams
 

@@ -15,8 +15,8 @@ from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import EngineDeadError, RequestTimeoutError
-from pagedray.engine.step_outputs import RequestStepOutput
 from pagedray.engine.step_runner import FinishedStep, StepRunner
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.openai.answers import AnswerContext
 from pagedray.openai.anthropic_api import CountTokensRequest, MessagesRequest, to_chat_body
 from pagedray.openai.anthropic_errors import AnthropicErrors

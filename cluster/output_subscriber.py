@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Callable
 
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
-from pagedray.engine.step_outputs import RequestStepOutput
+from pagedray.engine.wire import RequestStepOutput
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 # Seconds between attempts to subscribe again after a subscription broke while requests of

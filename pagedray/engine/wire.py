@@ -1,0 +1,64 @@
+"""The messages between the ingress and an engine, the one process boundary a request crosses
+(vLLM V1's `EngineCoreRequest` / `EngineCoreOutputs`): a `GenerateRequest` in, a
+`RequestStepOutput` per message out, and a refusal or failure as a typed `RequestFailure`
+(scheduler/request_failure.py) inside an output, never an exception or an HTTP status.
+
+Tokens in, tokens out: the text, the usage a client sees and the stop strings are the
+ingress's (engine/request_text.py); nothing crosses that the other side would drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.scheduler.request_failure import RequestFailure
+from pagedray.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """One engine request: a validated, tokenized prompt and how to sample and stream it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    # Tokens per message (vLLM's --stream-interval); None: one message, at the end.
+    stream_interval: int | None = 1
+    # Serve: the output channel of the ingress replica that reads this request's outputs
+    # (engine/output_channel.py); None: they come back on the request's own call.
+    channel_id: str | None = None
+    # For the cache-aware router in the sender's process only (cluster/engine_router.py): the
+    # prompt's block hashes, and the decision taken with them. Never pickled: the engine has
+    # no use for them.
+    routing_hashes: list[bytes] | None = None
+    routing_decision: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["routing_hashes"] = state["routing_decision"] = None
+        return state
+
+
+@dataclass
+class RequestStepOutput:
+    """One message of an engine request's outputs: what its steps since the last one produced.
+
+    The first message of a request is its acceptance (no deltas) or its refusal (`error`); the
+    last is finished, or carries the failure that ended it.
+    """
+
+    request_id: str
+    deltas: list[ChoiceDelta] = field(default_factory=list)  # one per choice that advanced
+    finished: bool = False  # every choice has a finish reason
+    # Prompt, completion, total and cached tokens: set by the ingress on the last output, from
+    # the text it made (a stop string may end a choice before its last token); never sent.
+    usage: dict[str, int] | None = None
+    error: RequestFailure | None = None  # set instead of deltas when the request failed
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known after prefill)
+    # On the acceptance of a request whose outputs go through an output channel: the engine
+    # replica that holds it, whose channel the caller subscribes to (`output_channel.py`).
+    replica_id: str | None = None

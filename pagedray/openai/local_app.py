@@ -1,0 +1,54 @@
+"""The OpenAI server over an engine in this process, without Ray: the same routes and middleware
+as the Serve ingress, with `LocalEngineClient` behind them. For HTTP tests, and for a server on
+one machine that needs none of Ray's replicas, routing or dashboard (`pagedray serve --no-ray`).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.engine_factory import build_engine
+from pagedray.engine.local_engine_client import LocalEngineClient
+from pagedray.engine.output_processor import OutputProcessor
+from pagedray.openai.cors import CORSSettings
+from pagedray.openai.http_app import openai_fastapi_app
+from pagedray.openai.ingress_guard import GuardSettings
+from pagedray.openai.response_store import LocalResponseStore, ResponseStore
+from pagedray.openai.server import OpenAIServer
+from pagedray.workers.compute_thread import compute_thread
+
+
+def local_openai_server(
+    config: EngineConfig,
+    guard: GuardSettings | None = None,
+    cors: CORSSettings | None = None,
+    response_store: ResponseStore | None = None,
+    stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+) -> OpenAIServer:
+    """A server over a new engine for `config` (one rank, in this process)."""
+    # Built on the thread that will step it (see workers/compute_thread.py).
+    core, _, tokenizer, validator = compute_thread().run(build_engine, config, None)
+    engine = AsyncEngine(
+        core,
+        OutputProcessor(None),  # token ids only: the server makes the text
+        stuck_after_s,
+        request_timeout_s=config.request_timeout_s or None,
+    )
+    return OpenAIServer(
+        LocalEngineClient(engine),
+        config,
+        tokenizer,
+        validator,
+        LocalResponseStore(response_store or ResponseStore()),
+        guard,
+        cors,
+    )
+
+
+def local_openai_app(server: OpenAIServer) -> FastAPI:
+    """The OpenAI app answered by `server`."""
+    app = openai_fastapi_app(lambda: server)
+    app.state.server = server
+    return app

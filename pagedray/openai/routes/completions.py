@@ -1,0 +1,56 @@
+"""`POST /v1/completions`: one engine request per prompt of a batch, answered whole or streamed."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from pagedray.openai.answers import AnswerContext, completion_chunks, completion_response
+from pagedray.openai.prompts import completion_prompts
+from pagedray.openai.protocol import CompletionRequest, CompletionResponse
+from pagedray.openai.routes.answer_responses import event_stream, json_answer
+from pagedray.openai.schema import request_body, responses
+from pagedray.openai.server import OpenAIServer, openai_server
+from pagedray.openai.serving import bad_request, error_response
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/completions",
+    openapi_extra=request_body(CompletionRequest),
+    responses=responses(CompletionResponse, stream=True),
+)
+async def completions(raw: Request, server: OpenAIServer = Depends(openai_server)) -> Response:
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    body = await server.generation_body(raw, CompletionRequest, request_id)
+    if isinstance(body, Response):
+        return body
+    await server.learn_limits()
+    num_prompts, queue = len(body.prompts()), await server.max_num_waiting()
+    if queue is not None and num_prompts > queue:  # its requests could never all queue
+        message = f"prompt: a batch of {num_prompts} prompts is over the engine's queue of {queue}"
+        return error_response(400, message, param="prompt")
+    try:
+        params, prompts, echo = await server.in_thread(completion_prompts, server.validator, body)
+    except ValueError as exc:
+        return bad_request(exc)
+    ctx = AnswerContext(
+        request_id=request_id,
+        model=server.model_name,
+        n=params.n,
+        num_prompts=len(prompts),
+        logprobs=server.logprobs,
+        num_logprobs=body.logprobs,
+        include_usage=body.include_usage,
+        echo=echo,
+        echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
+    )
+    streams = await server.open(ctx.request_id, prompts, params, body.priority, body.stream)
+    if isinstance(streams, Response):
+        return streams
+    if body.stream:
+        return event_stream(completion_chunks(ctx, streams))
+    return json_answer(await completion_response(ctx, streams))

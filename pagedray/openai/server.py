@@ -1,0 +1,214 @@
+"""The OpenAI server's state and the steps its routes share, written against one
+`EngineClient` (engine/engine_client.py), so the same routes serve over Ray Serve
+(cluster/ingress_deployment.py) and in-process (`openai_app.local_openai_app`).
+
+A route (openai/routes/) parses its body, builds its prompts in the tokenizer threads, opens its
+engine requests here (`open`), and writes what the merged streams bring (answers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from pagedray.engine.config import EngineConfig
+from pagedray.engine.engine_client import EngineClient
+from pagedray.engine.prompt_validator import PromptValidator, ValidatedPrompt
+from pagedray.engine.wire import GenerateRequest
+from pagedray.openai.answers import AnswerContext
+from pagedray.openai.cors import CORSSettings
+from pagedray.openai.engine_streams import EngineStreams
+from pagedray.openai.ingress_guard import GuardSettings
+from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
+from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
+from pagedray.openai.request_body import BodyError
+from pagedray.openai.response_store import ResponseStoreClient
+from pagedray.openai.serving import (
+    LogprobFormatter,
+    bad_request,
+    engine_error_response,
+    error_response,
+    logger,
+)
+from pagedray.openai.tool_calls import ToolCallOutput
+from pagedray.scheduler.sampling_params import SamplingParams
+
+# Threads per server that parse bodies and (de)tokenize, off the event loop: a huge prompt then
+# delays only the requests queued behind it here, never /health or a stream.
+TOKENIZER_THREADS = 4
+# Tokens per engine message of a non-streamed request with stop strings: the server finds them,
+# so it needs the tokens before the end, but not one message per token.
+STOP_CHECK_INTERVAL = 8
+
+
+class OpenAIServer:
+    """One server's engine client, tokenizer, validator and settings; the routes' shared steps.
+
+    `guard` and `cors` are what its middleware applies (an API key's digest, the body limit,
+    the allowed origins); `prometheus_text`, when given, is what /metrics answers.
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        config: EngineConfig,
+        tokenizer: Any,
+        validator: PromptValidator,
+        response_store: ResponseStoreClient | None = None,
+        guard: GuardSettings | None = None,
+        cors: CORSSettings | None = None,
+        prometheus_text: Callable[[], Any] | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.model_name = config.served_name()
+        self.tokenizer = tokenizer
+        self.validator = validator
+        self.response_store = response_store
+        self.guard = guard or GuardSettings()
+        self.cors = cors or CORSSettings()
+        self.prometheus_text = prometheus_text
+        self.logprobs = LogprobFormatter(tokenizer)
+        self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedray-tok")
+
+    async def not_ready(self, request_id: str) -> Response | None:
+        """None once the engines serve; until then the 503 to answer."""
+        failure = await self.client.not_ready(request_id)
+        return None if failure is None else engine_error_response(failure)
+
+    async def generation_body(
+        self, raw: Request, model: type[RequestT], request_id: str
+    ) -> RequestT | Response:
+        """A generation route's first steps: the 503 while the engines cannot serve, else its
+        body parsed (or the error response)."""
+        not_ready = await self.not_ready(request_id)
+        if not_ready is not None:
+            return not_ready
+        return await self.parse(raw, model)
+
+    async def learn_limits(self) -> int:
+        """The engines' `max_model_len`, which the validator then holds requests to."""
+        limits = await self.client.limits()
+        self.validator.max_model_len = limits.max_model_len
+        return limits.max_model_len
+
+    async def max_num_waiting(self) -> int | None:
+        return (await self.client.limits()).max_num_waiting
+
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def parse(self, raw: Request, model: type[RequestT]) -> RequestT | Response:
+        """Decode and validate a body (the guard has bounded it); the error response if bad."""
+        try:
+            body = await self.in_thread(decode_body, await raw.body(), model)
+        except BodyError as exc:
+            return error_response(400, str(exc), param=exc.param)
+        except ValidationError as exc:
+            return bad_request(exc)
+        requested = getattr(body, "model", None)
+        if requested is not None and requested not in self.config.served_names():
+            message = f"model: {requested!r} does not exist; this server has {self.model_name!r}"
+            return error_response(404, message, "NotFoundError", param="model")
+        return body
+
+    async def model_cards(self, request_id: str) -> list[ModelCard] | Response:
+        """A card per served name (GET /v1/models and /v1/models/{id}), or the 503 while the
+        engines cannot serve."""
+        not_ready = await self.not_ready(request_id)
+        if not_ready is not None:
+            return not_ready
+        max_model_len = await self.learn_limits()
+        names = self.config.served_names()
+        return [ModelCard(id=n, root=self.config.model, max_model_len=max_model_len) for n in names]
+
+    async def start_chat(
+        self, request_id: str, body: ChatCompletionRequest
+    ) -> tuple[AnswerContext, EngineStreams] | Response:
+        """Template, tokenize and validate a chat request, then submit it; the error response if
+        it is refused. Chat completions, the Responses API and Anthropic's Messages API all
+        come through here."""
+        await self.learn_limits()
+        try:
+            params, prompt = await self.in_thread(chat_prompt, self.validator, body)
+        except ValueError as exc:
+            return bad_request(exc)
+        ctx = AnswerContext(
+            request_id=request_id,
+            model=self.model_name,
+            n=params.n,
+            num_prompts=1,
+            logprobs=self.logprobs,
+            num_logprobs=params.logprobs,
+            include_usage=body.include_usage,
+            num_prompt_tokens=len(prompt.token_ids),
+            tool_calls=ToolCallOutput.of(
+                body.tool_dicts(),
+                body.tool_choice_value(),
+                self.config.tool_call_parser,
+                self.tokenizer.chat_template,
+            ),
+        )
+        streams = await self.open(ctx.request_id, [prompt], params, body.priority, body.stream)
+        return streams if isinstance(streams, Response) else (ctx, streams)
+
+    async def open(
+        self,
+        request_id: str,
+        prompts: list[ValidatedPrompt],
+        params: SamplingParams,
+        priority: int,
+        stream: bool,
+    ) -> EngineStreams | Response:
+        """Submit one engine request per prompt; an error response if any is refused."""
+        requests = [
+            GenerateRequest(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                prompt.token_ids,
+                params,
+                priority,
+                prompt.cache_salt,
+                self._stream_interval(stream, params),
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        streams = EngineStreams(self.client, requests, self.tokenizer)
+        failure = await streams.open()
+        return engine_error_response(failure) if failure is not None else streams
+
+    def _stream_interval(self, stream: bool, params: SamplingParams) -> int | None:
+        """How often the engine sends this request's tokens: every `--stream-interval` tokens to
+        a streaming client; once, at the end, to one that does not stream, unless the server
+        must watch for stop strings (then every `STOP_CHECK_INTERVAL` tokens, so that little is
+        generated past one)."""
+        if stream:
+            return self.config.stream_interval
+        return STOP_CHECK_INTERVAL if params.stop else None
+
+    async def stored(self, response_id: str) -> dict[str, Any] | None:
+        """A stored response's record (the Responses API's), if any."""
+        if self.response_store is None:
+            return None
+        return await self.response_store.get(response_id)
+
+    async def save(self, response: dict[str, Any], record: dict[str, Any]) -> None:
+        if self.response_store is None:
+            return
+        if not await self.response_store.put(response["id"], record):
+            logger.warning("response %s not stored: larger than the store", response["id"])
+
+    async def delete_stored(self, response_id: str) -> bool:
+        return self.response_store is not None and await self.response_store.delete(response_id)
+
+
+def openai_server(request: Request) -> OpenAIServer:
+    """The server behind the app that answers `request`: each app names its own, as a FastAPI
+    dependency override (`openai_app.openai_fastapi_app`)."""
+    raise RuntimeError("this app names no OpenAIServer (see openai_app.openai_fastapi_app)")

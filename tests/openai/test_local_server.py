@@ -1,0 +1,179 @@
+"""The OpenAI server over an in-process engine (openai/local_app.py), without Ray: the same routes
+and middleware as the Serve ingress behind `LocalEngineClient`, driven over HTTP by the official
+SDK. Token-exact with the offline API; refusals, stop strings and stored responses behave as
+they do behind Serve (tests/cluster/test_openai_server.py), and every block comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedray import LLM, SamplingParams
+from pagedray.engine.config import EngineConfig
+from pagedray.openai.ingress_guard import GuardSettings, api_key_digest
+from pagedray.openai.local_app import local_openai_app, local_openai_server
+from pagedray.openai.server import OpenAIServer
+
+KEY = "sk-local"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [5, 17, 33, 2, 9, 41, 7]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama: str) -> Iterator[tuple[TestClient, OpenAIServer]]:
+    config = EngineConfig(
+        model=tiny_llama, num_kv_blocks=64, max_num_seqs=8, served_model_name=["x"]
+    )
+    server = local_openai_server(config, guard=GuardSettings(api_key_digest(KEY)))
+    with TestClient(local_openai_app(server)) as http:
+        yield http, server
+        http.portal.call(server.client.engine.shutdown)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def sdk(served: tuple[TestClient, OpenAIServer]) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=served[0])
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, num_kv_blocks=64, max_num_seqs=8)
+
+
+def _all_blocks_free(http: TestClient) -> bool:
+    """Whether every block is back, once the engine has applied the aborts it was sent (before
+    its next step: an aborted request's blocks are freed a moment after its stream ends)."""
+    deadline = time.monotonic() + 30
+    while True:
+        (stats,) = http.get("/stats", headers=AUTH).json()["replicas"]
+        free = stats["num_free_blocks"] == stats["num_kv_blocks"] and stats["num_requests"] == 0
+        if free or time.monotonic() > deadline:
+            return bool(free)
+        time.sleep(0.05)
+
+
+def test_completions_are_token_exact_with_offline(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI, offline: LLM
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (expected,) = offline.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    whole = sdk.completions.create(
+        model="x", prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert whole.choices[0].text == expected.outputs[0].text
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    assert whole.usage.prompt_tokens == len(PROMPT)
+    chunks = sdk.completions.create(
+        model="x",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
+    )
+    assert _all_blocks_free(served[0])
+
+
+def test_a_chat_streamed_says_what_it_says_whole(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    messages: Any = [{"role": "user", "content": "Say something."}]
+    whole = sdk.chat.completions.create(model="x", messages=messages, max_tokens=6, temperature=0)
+    stream = sdk.chat.completions.create(
+        model="x",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert _all_blocks_free(served[0])
+
+
+def test_a_stop_string_ends_the_request_and_frees_its_blocks(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    free = sdk.completions.create(
+        model="x", prompt=PROMPT, max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    text = free.choices[0].text
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].strip())
+    for stream in (False, True):
+        answer = sdk.completions.create(
+            model="x",
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0.0,
+            stop=[stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
+        if stream:
+            chunks = [c for c in answer if c.choices]  # type: ignore[union-attr]
+            got = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            got, finish = answer.choices[0].text, answer.choices[0].finish_reason  # type: ignore[union-attr]
+        assert got == text[: text.index(stop)] and finish == "stop"
+    assert _all_blocks_free(served[0])
+
+
+def test_refusals_name_their_field_and_the_server_serves_on(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    http, _ = served
+    with pytest.raises(openai.BadRequestError) as too_long:
+        sdk.completions.create(model="x", prompt=[3] * 2000, max_tokens=4)
+    assert too_long.value.body["param"] in ("prompt", "max_tokens")  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model="x", prompt="hi", max_tokens=4, temperature=-1)
+    assert bad.value.body["param"] == "temperature"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="nope", prompt="hi", max_tokens=4)
+    assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401  # no key
+    assert http.get("/health").json() == {"status": "ok"}  # no key needed
+    assert http.get("/metrics").status_code == 503  # Ray's metrics export serves them
+    (card,) = sdk.models.list().data
+    assert card.id == sdk.models.retrieve(card.id).id
+    assert sdk.completions.create(model="x", prompt="hi", max_tokens=2).choices[0].text is not None
+    assert _all_blocks_free(http)
+
+
+def test_a_stored_response_is_continued_retrieved_and_deleted(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    first = sdk.responses.create(model="x", input="Hello", max_output_tokens=4, store=True)
+    follow = sdk.responses.create(
+        model="x", input="And then?", previous_response_id=first.id, max_output_tokens=4
+    )
+    assert follow.previous_response_id == first.id and follow.status in ("completed", "incomplete")
+    assert follow.usage is not None and first.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens  # the first turn came along
+    assert sdk.responses.retrieve(first.id).id == first.id
+    sdk.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id)
+
+
+def test_anthropic_messages_on_the_same_server(served: tuple[TestClient, OpenAIServer]) -> None:
+    http, _ = served
+    body = {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    answer = http.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["type"] == "message" and answer.json()["usage"]["output_tokens"] <= 4
+    refused = http.post("/v1/messages", json={**body, "max_tokens": -1}, headers={"x-api-key": KEY})
+    assert refused.status_code == 400
+    assert refused.json()["type"] == "error"  # Anthropic's shape
