@@ -12,24 +12,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncGenerator
 
 from pagedray.engine.admission import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Admission,
-    WaitingRequest,
     default_max_num_waiting,
-    not_started,
 )
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor, deltas_by_request
 from pagedray.engine.request_errors import (
     EngineDeadError,
     EngineOverloadedError,
-    RequestAbortedError,
     RequestFailedError,
 )
-from pagedray.engine.request_stream import RequestStream, Sink
+from pagedray.engine.request_lifecycle import RequestLifecycle
+from pagedray.engine.request_stream import Sink
 from pagedray.engine.step_metrics import EngineMetrics, StepMetricsRecorder
 from pagedray.engine.step_runner import FinishedStep, StepRunner
 from pagedray.engine.wire import RequestStepOutput
@@ -47,15 +44,9 @@ METRICS_REFRESH_S = 1.0
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _PendingRequest:
-    engine_request: EngineRequest
-    prompt: str | None
-    at_end: bool  # its outputs go out once, at the end (see `RequestState`)
-
-
 class AsyncEngine:
-    """Owns an `EngineCore` and its `OutputProcessor`; fans step outputs out to request streams."""
+    """Owns an `EngineCore` and its `OutputProcessor` and steps them; the requests' side (streams,
+    admission, aborts) is its `RequestLifecycle`."""
 
     def __init__(
         self,
@@ -78,9 +69,7 @@ class AsyncEngine:
         self.admission = Admission(
             max_num_waiting, request_timeout_s, by_priority=config.scheduling_policy == "priority"
         )
-        self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[str, _PendingRequest] = {}  # accepted, not yet in the scheduler
-        self._pending_aborts: set[str] = set()
+        self.requests = RequestLifecycle(self.admission, self._wake)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._runner = StepRunner(core)
@@ -118,20 +107,8 @@ class AsyncEngine:
         """
         self.start()
         self._raise_if_dead()
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
         # Refused here, before the caller answers 200, rather than failing once queued.
         self.core.scheduler.check_limits(len(prompt_token_ids), params.n, params.max_tokens)
-        displaced = self.admission.admit(self._num_waiting(), priority, self._not_started)
-        if displaced is not None:
-            self._fail(
-                displaced,
-                EngineOverloadedError(
-                    "the waiting queue is full and this request gave way to one of better "
-                    "priority; retry later"
-                ),
-            )
-            self._abort_accepted(displaced)
         engine_request = EngineRequest(
             request_id,
             list(prompt_token_ids),
@@ -140,25 +117,18 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
-        self._pending[request_id] = _PendingRequest(engine_request, prompt, stream_interval is None)
-        request_stream = RequestStream(stream_interval, sink)
-        self._streams[request_id] = request_stream
-        self.admission.track(request_id, self._streams, len(self._streams))
-        self._wake()
-        return request_stream.read(lambda: self.abort(request_id))
+        return self.requests.accept(
+            engine_request,
+            prompt,
+            stream_interval,
+            sink,
+            int(self._stats["num_waiting"]),
+            lambda: self.core.scheduler.waiting,
+        )
 
     def abort(self, request_id: str) -> None:
         """Abort a request: blocks freed before the next step, its stream failed (for a sink)."""
-        if (request_stream := self._streams.pop(request_id, None)) is not None:
-            request_stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
-            self._abort_accepted(request_id)
-
-    def _abort_accepted(self, request_id: str) -> None:
-        """Drop an accepted request whose stream is gone: unqueue it, or abort it in the engine."""
-        if self._pending.pop(request_id, None) is not None:
-            return
-        self._pending_aborts.add(request_id)
-        self._wake()
+        self.requests.abort(request_id)
 
     def health(self) -> dict[str, Any]:
         """`healthy` only while the loop is alive and no step has been running too long;
@@ -185,8 +155,8 @@ class AsyncEngine:
             self._stats = self.core.stats()
         return {
             **self._stats,
-            "num_requests": len(self._streams),
-            "num_pending": len(self._pending),
+            "num_requests": len(self.requests.streams),
+            "num_pending": len(self.requests.pending),
             "max_num_waiting": self.admission.max_num_waiting,
             "max_model_len": self.core.scheduler.max_model_len,
             "last_step_duration": self.core.last_step_duration,
@@ -219,13 +189,13 @@ class AsyncEngine:
                     if finished_step is not None:
                         self._complete(finished_step)
                         finished_step = None
-                    self._expire_deadlines()
+                    self.requests.expire()
                     self._recorder.stats(self._stats)
                     self._wakeup.clear()
                     await self._wait_for_work()
                     continue
                 self._runner.started = time.monotonic()
-                self._runner.streaming = self._any_streaming()
+                self._runner.streaming = self.requests.any_streaming()
                 steps = loop.run_in_executor(
                     compute, self._runner.run, loop, self._hand_over, self._may_run_on
                 )
@@ -233,7 +203,7 @@ class AsyncEngine:
                     if finished_step is not None:
                         self._complete(finished_step)
                         finished_step = None
-                    self._expire_deadlines()
+                    self.requests.expire()
                     self._recorder.stats(self._stats)
                     finished_step = await steps
                 finally:
@@ -253,18 +223,14 @@ class AsyncEngine:
         """A step of a run that goes on: its outputs out now, while the next one runs."""
         self._process(finished_step)
         self._complete(finished_step)
-        self._expire_deadlines()
+        self.requests.expire()
         self._recorder.stats(self._stats)
-        self._runner.streaming = self._any_streaming()
+        self._runner.streaming = self.requests.any_streaming()
 
     def _may_run_on(self) -> bool:
         """Read on the compute thread between a run's steps: nothing waits for the engine."""
         stop_strings = self.output_processor.finds_stop_strings
-        return not (self._pending or self._pending_aborts or stop_strings)
-
-    def _any_streaming(self) -> bool:
-        """What the workers' thread count depends on (workers/cpu_threads.py)."""
-        return any(stream.streaming for stream in self._streams.values())
+        return not (self.requests.has_changes() or stop_strings)
 
     def _process(self, finished_step: FinishedStep) -> None:
         """A step's outputs; a stop string found (never mid-run, see `_may_run_on`) stops it."""
@@ -288,36 +254,29 @@ class AsyncEngine:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), timeout_s)
 
-    def _expire_deadlines(self) -> None:
-        """Abort every request past its deadline and fail its stream with a timeout."""
-        for request_id in self.admission.expired(self._streams):
-            self._fail(request_id, self.admission.timeout_error())
-            self._abort_accepted(request_id)
-
     def _apply_pending(self) -> None:
         """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
-        if not self._pending_aborts and not self._pending:
+        if not self.requests.has_changes():
             return  # nothing changed: the stats snapshot of the last step stands
-        if self._pending_aborts:
-            aborts, self._pending_aborts = list(self._pending_aborts), set()
+        aborts, pending = self.requests.take_changes()
+        if aborts:
             self.core.abort_requests(aborts)
             for request_id in aborts:
                 self._recorder.aborted(request_id, self.output_processor.requests.get(request_id))
                 self.output_processor.abort(request_id)
-        pending, self._pending = list(self._pending.values()), {}
         for item in pending:
             request = item.engine_request
             try:
                 self.core.add_request(request)
             except OverflowError as exc:
-                self._fail(request.req_id, EngineOverloadedError(str(exc)))
+                self.requests.fail(request.req_id, EngineOverloadedError(str(exc)))
                 continue
             except ValueError as exc:
-                self._fail(request.req_id, exc)
+                self.requests.fail(request.req_id, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - one request's failure is its own
                 logger.exception("request %s could not be queued", request.req_id)
-                self._fail(request.req_id, exc)
+                self.requests.fail(request.req_id, exc)
                 continue
             params = request.sampling_params
             state = self.output_processor.add_request(
@@ -334,7 +293,7 @@ class AsyncEngine:
                 continue
             if state.error is not None:  # no success: counted like an abort
                 self._recorder.aborted(request_id, self.output_processor.requests.pop(request_id))
-                self._fail(request_id, RequestFailedError(state.error))
+                self.requests.fail(request_id, RequestFailedError(state.error))
                 continue
             output = RequestStepOutput(
                 request_id, request_deltas, num_cached_tokens=state.num_cached_tokens
@@ -343,23 +302,12 @@ class AsyncEngine:
                 self.output_processor.requests.pop(request_id)
                 output.finished = True
                 self._recorder.finished(state)
-            request_stream = self._streams.get(request_id)
-            if request_stream is not None:
-                request_stream.put(output)
-                if output.finished:
-                    del self._streams[request_id]
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        request_stream = self._streams.pop(request_id, None)
-        if request_stream is not None:
-            request_stream.fail(exc)
+            self.requests.deliver(request_id, output)
 
     def _fail_all(self, exc: BaseException) -> None:
-        self._pending.clear()
         self._recorder.clear()
-        for request_id in list(self._streams):
+        for request_id in self.requests.fail_all(exc):
             self.output_processor.abort(request_id)
-            self._fail(request_id, exc)
 
     def _check_workers(self) -> None:
         """Between steps, an executor that can tell (`dead_rank`) is asked whether a rank died:
@@ -374,17 +322,8 @@ class AsyncEngine:
             if self._task is not None:
                 self._task.cancel()
 
-    def _not_started(self) -> list[WaitingRequest]:
-        # NOTE: a step may be in flight; list() copies the queue in one go (the GIL holds), and
-        # a request admitted meanwhile that is then picked is aborted like any other.
-        pending = [item.engine_request for item in self._pending.values()]
-        waiting = list(self.core.scheduler.waiting)
-        return not_started(
-            pending, waiting, lambda rid: rid in self._streams and rid not in self._pending_aborts
-        )
-
     def _num_waiting(self) -> int:
-        return int(self._stats["num_waiting"]) + len(self._pending)
+        return int(self._stats["num_waiting"]) + len(self.requests.pending)
 
     def _raise_if_dead(self) -> None:  # a stuck step shows in health(); requests still queue
         if self._error is not None or (self._task is not None and self._task.done()):
