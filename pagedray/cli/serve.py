@@ -1,4 +1,5 @@
-"""`pagedray serve`: the OpenAI-compatible server on a local Ray, or on a running Ray cluster.
+"""`pagedray serve`: the OpenAI-compatible server on a local Ray, on a running Ray cluster, or
+(`--no-ray`, cli/serve_local.py) in this one process.
 
 Kept apart from `cli.py` so offline use never imports Ray Serve.
 """
@@ -91,6 +92,12 @@ def add_serve_parser(commands: Any) -> None:
     parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for the API"
     )
+    parser.add_argument(
+        "--no-ray",
+        action="store_true",
+        help="serve from this one process, over one engine it steps itself: no Ray to start "
+        "(TP 1, one engine; no Ray dashboard or metrics export)",
+    )
     parser.set_defaults(func=run_serve)
 
 
@@ -140,6 +147,12 @@ def run_serve(args: argparse.Namespace) -> int:
     """Start (or join) Ray, deploy, print the URL, and serve until Ctrl-C or SIGTERM."""
     app_args = serve_app_args(args)
     settings = serve_settings(args)
+    if args.no_ray:
+        from pagedray.cli.serve_local import run_local_serve
+
+        _check_port_free(args.port, "--port", args.host)
+        with_key = validated(ServerConfig, {"model": settings.model, **app_args})
+        return run_local_serve(args, with_key, model_given="model" in app_args)
     local = args.address is None and not os.environ.get("RAY_ADDRESS")
     if local:
         # Refused before anything changes: this process's environment included.

@@ -5,6 +5,9 @@ one machine that needs none of Ray's replicas, routing or dashboard (`pagedray s
 
 from __future__ import annotations
 
+import contextlib
+from typing import AsyncIterator
+
 from fastapi import FastAPI
 
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
@@ -20,14 +23,15 @@ from pagedray.openai.server import OpenAIServer
 from pagedray.workers.compute_thread import compute_thread
 
 
-def local_openai_server(
+def local_openai_app(
     config: EngineConfig,
     guard: GuardSettings | None = None,
     cors: CORSSettings | None = None,
     response_store: ResponseStore | None = None,
     stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
-) -> OpenAIServer:
-    """A server over a new engine for `config` (one rank, in this process)."""
+) -> FastAPI:
+    """The app over a new engine for `config` (one rank, in this process), which stops with the
+    app (a request still in flight then ends with a 503). Its server is `app.state.server`."""
     # Built on the thread that will step it (see workers/compute_thread.py).
     core, _, tokenizer, validator = compute_thread().run(build_engine, config, None)
     engine = AsyncEngine(
@@ -36,7 +40,7 @@ def local_openai_server(
         stuck_after_s,
         request_timeout_s=config.request_timeout_s or None,
     )
-    return OpenAIServer(
+    server = OpenAIServer(
         LocalEngineClient(engine),
         config,
         tokenizer,
@@ -46,9 +50,12 @@ def local_openai_server(
         cors,
     )
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.shutdown()
 
-def local_openai_app(server: OpenAIServer) -> FastAPI:
-    """The OpenAI app answered by `server`."""
     app = openai_fastapi_app(lambda: server)
+    app.router.lifespan_context = lifespan
     app.state.server = server
     return app

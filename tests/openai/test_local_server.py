@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from pagedray import LLM, SamplingParams
 from pagedray.engine.config import EngineConfig
 from pagedray.openai.ingress_guard import GuardSettings, api_key_digest
-from pagedray.openai.local_app import local_openai_app, local_openai_server
+from pagedray.openai.local_app import local_openai_app
 from pagedray.openai.server import OpenAIServer
 
 KEY = "sk-local"
@@ -29,10 +29,9 @@ def served(tiny_llama: str) -> Iterator[tuple[TestClient, OpenAIServer]]:
     config = EngineConfig(
         model=tiny_llama, num_kv_blocks=64, max_num_seqs=8, served_model_name=["x"]
     )
-    server = local_openai_server(config, guard=GuardSettings(api_key_digest(KEY)))
-    with TestClient(local_openai_app(server)) as http:
-        yield http, server
-        http.portal.call(server.client.engine.shutdown)  # type: ignore[attr-defined]
+    app = local_openai_app(config, guard=GuardSettings(api_key_digest(KEY)))
+    with TestClient(app) as http:  # its lifespan stops the engine at the end
+        yield http, app.state.server
 
 
 @pytest.fixture(scope="module")
