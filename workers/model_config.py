@@ -7,6 +7,7 @@ older `rope_theta` + `rope_scaling`.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,15 +70,16 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "auto") -> ModelConfig:
-        """Parse `path/config.json`.
+        """Parse `path/config.json`: once per process while the file stays as it is (the
+        engine's config, its validator, its factory and its worker all ask).
 
         Args:
             path: an HF checkpoint directory.
             dtype: "auto" (the checkpoint's own dtype) or "float32" / "bfloat16" / "float16".
         """
-        with open(Path(path) / "config.json") as f:
-            raw = json.load(f)
-        return cls.from_dict(raw, dtype)
+        file = (Path(path) / "config.json").resolve()
+        stat = file.stat()
+        return _parsed(str(file), stat.st_mtime_ns, stat.st_size, dtype)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], dtype: str = "auto") -> ModelConfig:
@@ -171,3 +173,11 @@ def _resolve_dtype(raw: dict[str, Any], dtype: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[name]
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(file: str, mtime_ns: int, size: int, dtype: str) -> ModelConfig:
+    """`file` parsed; the key's modification time and size make a changed file parsed anew."""
+    with open(file) as f:
+        raw = json.load(f)
+    return ModelConfig.from_dict(raw, dtype)
