@@ -13,6 +13,7 @@ import os
 import site
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ def beside_the_repository(path: str, repository: Path, allowed: list[str]) -> bo
 
 def install() -> None:
     """Refuse, for the rest of this process, every open() of a file beside the repository."""
-    allowed = _python_roots()
+    allowed = [*_python_roots(), os.path.realpath(tempfile.gettempdir())]
 
     def refuse(event: str, args: tuple[Any, ...]) -> None:
         if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):

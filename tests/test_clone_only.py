@@ -28,3 +28,13 @@ def test_what_counts_as_beside(tmp_path: Path) -> None:
     assert not beside(tmp_path / "work" / ".cache" / "pagedray" / "models")  # tools' caches
     assert not beside(python / "lib" / "site-packages" / "ray" / "__init__.py")
     assert not beside(tmp_path / "elsewhere" / "file")  # not beside it: a temp folder, say
+
+
+def test_a_clone_in_the_temp_folder_may_use_it(tmp_path: Path) -> None:
+    """Cloned into /tmp, the repository has pytest's and Ray's temp folders beside it: the
+    system's temp folder is one of the roots `install` allows."""
+    temp = tmp_path / "tmp"
+    repository = temp / "pagedray"
+    allowed = [str(temp), str(tmp_path / "venv")]
+    for path in (temp / "pytest-of-root" / "pytest-1" / ".lock", temp / "ray" / "session" / "x"):
+        assert not beside_the_repository(str(path), repository, allowed)
