@@ -20,6 +20,7 @@ from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.prompt_validator import as_prompt_list
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.request import EngineRequest
+from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.compute_thread import compute_thread
 
@@ -91,14 +92,14 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts"
+                raise refusal(
+                    "sampling_params", f"got {len(params_list)} for {len(prompt_list)} prompts"
                 )
         # Validate everything before queueing anything, so a bad prompt allocates nothing.
         validated = [self.validator.validate(p, sp) for p, sp in zip(prompt_list, params_list)]
         priorities = list(priority) if priority is not None else [0] * len(validated)
         if len(priorities) != len(validated):
-            raise ValueError(f"priority: got {len(priorities)} for {len(validated)} prompts")
+            raise refusal("priority", f"got {len(priorities)} for {len(validated)} prompts")
         request_ids = [str(next(self._request_counter)) for _ in validated]
         for request_id, prompt, params, prio in zip(
             request_ids, validated, params_list, priorities

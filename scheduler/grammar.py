@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pagedray.scheduler.messages import GrammarBitmask
-from pagedray.scheduler.request_failure import FailureKind, RequestFailure
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure, refusal
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams, compiled_grammar
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class StructuredOutputManager:
             )
         template = LLMatcher(self._tokenizer, compiled_grammar(key), log_level=0)
         if template.is_error():
-            raise ValueError(f"structured_outputs.{key[0]}: {template.get_error()}")
+            raise refusal(f"structured_outputs.{key[0]}", f"{template.get_error()}")
         with self._lock:
             self._compile_times.append(time.perf_counter() - start)
             self.stats.num_compiled += 1

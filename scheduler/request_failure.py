@@ -34,13 +34,28 @@ class RequestFailure:
 
 
 class RequestRefused(ValueError):
-    """A request refused before it runs, naming the field at fault: a ValueError, so callers
-    that catch those (the offline API, tests) see it as one."""
+    """A request refused before it runs, naming the field at fault (`param`, the top-level field
+    the client sent): a ValueError, so callers that catch those (the offline API, tests) see it
+    as one. `detail` is the message without the field's name."""
 
-    def __init__(self, message: str, param: str | None, kind: FailureKind = FailureKind.INVALID):
+    def __init__(
+        self,
+        message: str,
+        param: str | None,
+        kind: FailureKind = FailureKind.INVALID,
+        detail: str | None = None,
+    ):
         super().__init__(message)
         self.param = param
         self.kind = kind
+        self.detail = message if detail is None else detail
 
     def failure(self) -> RequestFailure:
         return RequestFailure(self.kind, str(self), self.param)
+
+
+def refusal(field: str, detail: str, kind: FailureKind = FailureKind.INVALID) -> RequestRefused:
+    """The refusal "field: detail" of the field at `field` (a path such as
+    "structured_outputs.json" or "messages.0.content"), whose param is its top-level field."""
+    top = field.split(".", 1)[0]
+    return RequestRefused(f"{field}: {detail}", top if top.isidentifier() else None, kind, detail)

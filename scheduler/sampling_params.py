@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax), as vLLM does.
@@ -195,7 +196,7 @@ def _normalize_stop(stop: Any) -> list[str]:
         return [stop] if stop else []
     if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
         return [s for s in stop if s]
-    raise ValueError(f"stop: must be a string or a list of strings, got {type(stop).__name__}")
+    raise refusal("stop", f"must be a string or a list of strings, got {type(stop).__name__}")
 
 
 def _is_int(value: Any) -> bool:
@@ -218,4 +219,4 @@ def _check_float(field_name: str, value: Any) -> None:
 
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{field_name}: {message}")
+        raise refusal(field_name, f"{message}")

@@ -26,7 +26,7 @@ from pagedray.scheduler.messages import (
 from pagedray.scheduler.outputs import EngineCoreOutput
 from pagedray.scheduler.priority import num_seqs, priority_victims
 from pagedray.scheduler.request import Request, RequestStatus
-from pagedray.scheduler.request_failure import FailureKind, RequestFailure
+from pagedray.scheduler.request_failure import FailureKind, RequestFailure, refusal
 from pagedray.scheduler.worker_view import WorkerView
 
 
@@ -74,12 +74,12 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a validated request; raises ValueError if it can never fit."""
         if req.req_id in self.requests or req.req_id in self.children:
-            raise ValueError(f"request_id: {req.req_id!r} is already in use")
+            raise refusal("request_id", f"{req.req_id!r} is already in use")
         self.check_limits(req.num_tokens, req.sampling_params.n)
         constraint = req.sampling_params.structured_outputs
         if constraint is not None:
             if self.structured is None:
-                raise ValueError("structured_outputs: this engine was built without a tokenizer")
+                raise refusal("structured_outputs", "this engine was built without a tokenizer")
             req.grammar = self.structured.start(constraint)
         if (
             self.config.max_num_waiting is not None

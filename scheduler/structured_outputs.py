@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedray.scheduler.json_schema_termination import endless_reference
+from pagedray.scheduler.request_failure import refusal
 
 # Bounds on what a client can make the grammar engine do; llguidance also bounds the lexer and
 # parser work per token (its `LLParserLimits` defaults).
@@ -46,20 +47,21 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(
-                "structured_outputs: give exactly one of json, regex, choice, grammar or "
-                f"json_object, got {given or 'none'}"
+            raise refusal(
+                "structured_outputs",
+                "give exactly one of json, regex, choice, grammar or "
+                f"json_object, got {given or 'none'}",
             )
         if self.choice is not None:
             ok = isinstance(self.choice, list) and all(isinstance(c, str) for c in self.choice)
             if not ok or not self.choice or len(self.choice) > MAX_CHOICES:
-                raise ValueError(f"structured_outputs.choice: must be 1 to {MAX_CHOICES} strings")
+                raise refusal("structured_outputs.choice", f"must be 1 to {MAX_CHOICES} strings")
         for kind in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, kind)
             if value is not None and not isinstance(value, str):
-                raise ValueError(f"structured_outputs.{kind}: must be a string")
+                raise refusal(f"structured_outputs.{kind}", "must be a string")
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("structured_outputs.json: must be a JSON schema object")
+            raise refusal("structured_outputs.json", "must be a JSON schema object")
         compiled_grammar(self.key)  # raises ValueError naming the problem (cached)
 
     @classmethod
@@ -69,7 +71,7 @@ class StructuredOutputsParams:
             return cls(**fields)
         except TypeError:
             known = list(cls.__dataclass_fields__)
-            raise ValueError(f"structured_outputs: fields must be among {known}") from None
+            raise refusal("structured_outputs", f"fields must be among {known}") from None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -122,21 +124,22 @@ def _compile(key: tuple[str, str]) -> str:
     kind, text = key
     field = f"structured_outputs.{kind}"
     if len(text) > MAX_SPEC_CHARS:
-        raise ValueError(f"{field}: longer than {MAX_SPEC_CHARS} characters")
+        raise refusal(field, f"longer than {MAX_SPEC_CHARS} characters")
     if kind == "json":
         options = json.loads(text)
         endless = endless_reference(options["schema"])
         if endless is not None:
-            raise ValueError(
-                f"{field}: the schema admits no finite value: it refers to itself through "
-                f"{endless!r} with no way to end"
+            raise refusal(
+                field,
+                f"the schema admits no finite value: it refers to itself through "
+                f"{endless!r} with no way to end",
             )
         try:
             grammar = LLMatcher.grammar_from_json_schema(
                 options["schema"], defaults=options["defaults"]
             )
         except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from None
+            raise refusal(field, f"{exc}") from None
     elif kind == "regex":
         grammar = LLMatcher.grammar_from_regex(text)
     elif kind == "choice":
@@ -146,7 +149,7 @@ def _compile(key: tuple[str, str]) -> str:
         grammar = LLMatcher.grammar_from_lark(_as_lark(text))
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise ValueError(f"{field}: {_one_line(messages[0])}")
+        raise refusal(field, f"{_one_line(messages[0])}")
     return grammar
 
 
@@ -154,11 +157,11 @@ def _json_key(schema_text: str, whitespace_pattern: str | None) -> str:
     try:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"structured_outputs.json: not valid JSON ({exc.msg})") from None
+        raise refusal("structured_outputs.json", f"not valid JSON ({exc.msg})") from None
     except RecursionError:
-        raise ValueError("structured_outputs.json: nested too deeply") from None
+        raise refusal("structured_outputs.json", "nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
-        raise ValueError("structured_outputs.json: a JSON schema must be an object")
+        raise refusal("structured_outputs.json", "a JSON schema must be an object")
     defaults: dict[str, Any] = dict(_COMPACT_JSON)
     if whitespace_pattern is not None:
         defaults = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
@@ -173,7 +176,7 @@ def _as_lark(grammar: str) -> str:
         try:
             return gbnf_to_lark(grammar)
         except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors
-            raise ValueError(f"structured_outputs.grammar: bad GBNF ({exc})") from None
+            raise refusal("structured_outputs.grammar", f"bad GBNF ({exc})") from None
     return grammar
 
 

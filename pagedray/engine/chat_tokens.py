@@ -22,6 +22,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pagedray.engine.unicode_text import has_lone_surrogate
+from pagedray.scheduler.request_failure import refusal
 
 # The roles a template renders, and OpenAI's two others: `developer` (the system role of its newer
 # models) and `function` (a function's result, before tool calls), each rendered as the role it
@@ -41,8 +42,8 @@ class ChatEnding:
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError(
-                "continue_final_message: cannot be true together with add_generation_prompt"
+            raise refusal(
+                "continue_final_message", "cannot be true together with add_generation_prompt"
             )
 
 
@@ -86,7 +87,7 @@ class ChatTokenizer:
         OpenAI's format), ending as `ending` says (by default, the assistant's turn opened)."""
         messages = check_messages(messages, self.template_roles)
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("messages: this model's tokenizer has no chat template")
+            raise refusal("messages", "this model's tokenizer has no chat template")
         return self._apply(messages, tools, ending or ChatEnding())
 
     def token_ids(
@@ -110,7 +111,7 @@ class ChatTokenizer:
             # special-token string is refused rather than guessed at.
             for i, message in enumerate(messages):
                 if self._special_re.search(message["content"]):
-                    raise ValueError(f"messages: message {i} contains a special token string")
+                    raise refusal("messages", f"message {i} contains a special token string")
             return self.tokenizer.encode(text, add_special_tokens=False)
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
@@ -126,8 +127,8 @@ class ChatTokenizer:
         self, messages: list[dict[str, Any]], tools: list[Any] | None, ending: ChatEnding
     ) -> str:
         if ending.continue_final_message and messages[-1]["role"] != "assistant":
-            raise ValueError(
-                "messages: continue_final_message needs an assistant message last, to continue"
+            raise refusal(
+                "messages", "continue_final_message needs an assistant message last, to continue"
             )
         try:
             return self.tokenizer.apply_chat_template(
@@ -140,15 +141,16 @@ class ChatTokenizer:
         except (TemplateError, TypeError) as exc:
             # The template's own refusals (raise_exception) and values it cannot render are
             # the request's fault: a 400 naming them, never a 500.
-            raise ValueError(f"messages: the chat template refused them: {exc}") from None
+            raise refusal("messages", f"the chat template refused them: {exc}") from None
         except ValueError as exc:
             if not ending.continue_final_message:
-                raise ValueError(f"messages: the chat template refused them: {exc}") from None
+                raise refusal("messages", f"the chat template refused them: {exc}") from None
             # transformers' own, for a final message the template does not render verbatim: its
             # text quotes the whole conversation, which is no message for a client.
-            raise ValueError(
-                "messages: the chat template does not render the final message as it is, so "
-                "it cannot be continued"
+            raise refusal(
+                "messages",
+                "the chat template does not render the final message as it is, so "
+                "it cannot be continued",
             ) from None
 
     def _refuse_special_in_structure(
@@ -158,13 +160,11 @@ class ChatTokenizer:
         special-token string there would become a control token: such a request is refused."""
         assert self._special_re is not None
         if tools and self._special_re.search(json.dumps(tools, ensure_ascii=False)):
-            raise ValueError("tools: a tool definition contains a special token string")
+            raise refusal("tools", "a tool definition contains a special token string")
         for i, message in enumerate(messages):
             structure = {k: v for k, v in message.items() if k not in ("role", "content")}
             if structure and self._special_re.search(json.dumps(structure, ensure_ascii=False)):
-                raise ValueError(
-                    f"messages: message {i} tool fields contain a special token string"
-                )
+                raise refusal("messages", f"message {i} tool fields contain a special token string")
 
     def _content_spans(
         self,
@@ -228,23 +228,23 @@ def check_messages(
     """A conversation as the template sees it: role and string content only; raises ValueError.
     `developer` and `function` become the roles they stand for unless in `template_roles`."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
+        raise refusal("messages", "must be a non-empty list of {'role', 'content'} objects")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"messages: message {i} must be an object with 'role' and 'content'")
+            raise refusal("messages", f"message {i} must be an object with 'role' and 'content'")
         role, content = message["role"], message.get("content")
         if role in STANDS_FOR and role not in template_roles:
             role = STANDS_FOR[role]
         if role not in ROLES and role not in template_roles:
             allowed = [*ROLES, *STANDS_FOR]
-            raise ValueError(f"messages: message {i} has role {role!r}; allowed: {allowed}")
+            raise refusal("messages", f"message {i} has role {role!r}; allowed: {allowed}")
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise ValueError(f"messages: message {i} content must be a string")
+            raise refusal("messages", f"message {i} content must be a string")
         if has_lone_surrogate(content):
-            raise ValueError(f"messages: message {i} content contains a lone surrogate")
+            raise refusal("messages", f"message {i} content contains a lone surrogate")
         checked.append({"role": role, "content": content, **_tool_fields(i, message)})
     return checked
 
@@ -256,15 +256,16 @@ def _tool_fields(index: int, message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if calls:
         if message["role"] != "assistant" or not isinstance(calls, list):
-            raise ValueError(f"messages: message {index} tool_calls: only an assistant has them")
+            raise refusal("messages", f"message {index} tool_calls: only an assistant has them")
         for call in calls:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not all(
                 isinstance(function.get(key), str) for key in ("name", "arguments")
             ):
-                raise ValueError(
-                    f"messages: message {index} tool_calls: each needs a function with a "
-                    "name and arguments (a JSON string)"
+                raise refusal(
+                    "messages",
+                    f"message {index} tool_calls: each needs a function with a "
+                    "name and arguments (a JSON string)",
                 )
         fields["tool_calls"] = calls
     for key in ("tool_call_id", "name"):

@@ -1,7 +1,7 @@
 """Prompt validation and tokenization at the edge: bad input is refused before it is queued.
 
 Shared by the offline `LLM` and the HTTP ingress, so both refuse the same prompts with the same
-"field: message" ValueError.
+`RequestRefused` naming the field.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pagedray.engine.chat_tokens import ChatEnding, ChatTokenizer
 from pagedray.engine.prompt_bound import chars_per_token
 from pagedray.engine.unicode_text import has_lone_surrogate
 from pagedray.scheduler.limits import check_max_tokens, check_n, check_prompt_length
+from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import SamplingParams
 
 
@@ -29,18 +30,19 @@ def as_prompt_list(prompts: Any) -> list[Any]:
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise ValueError(
-        "prompt: must be a string, a {'prompt_token_ids': [...]} dict or a list of them, "
-        f"got {type(prompts).__name__}"
+    raise refusal(
+        "prompt",
+        "must be a string, a {'prompt_token_ids': [...]} dict or a list of them, "
+        f"got {type(prompts).__name__}",
     )
 
 
 def check_text(field: str, text: Any) -> str:
     """A string that every tokenizer and hash can take (no lone surrogates)."""
     if not isinstance(text, str):
-        raise ValueError(f"{field}: must be a string, got {type(text).__name__}")
+        raise refusal(field, f"must be a string, got {type(text).__name__}")
     if has_lone_surrogate(text):
-        raise ValueError(f"{field}: contains a lone surrogate (invalid Unicode)")
+        raise refusal(field, "contains a lone surrogate (invalid Unicode)")
     return text
 
 
@@ -49,7 +51,7 @@ def check_cache_salt(cache_salt: Any) -> str | None:
         return None
     check_text("cache_salt", cache_salt)
     if not cache_salt:
-        raise ValueError("cache_salt: must be a non-empty string")
+        raise refusal("cache_salt", "must be a non-empty string")
     return cache_salt
 
 
@@ -80,9 +82,10 @@ class PromptValidator:
         if isinstance(prompt, str):
             return ValidatedPrompt(prompt, self._checked(self.encode(prompt)))
         if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
-            raise ValueError(
-                "prompt: must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
-                f"got {type(prompt).__name__}"
+            raise refusal(
+                "prompt",
+                "must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                f"got {type(prompt).__name__}",
             )
         cache_salt = check_cache_salt(prompt.get("cache_salt"))
         text = prompt.get("prompt")
@@ -93,22 +96,22 @@ class PromptValidator:
             return ValidatedPrompt(text, self._checked(self.encode(text)), cache_salt)
         token_ids = prompt["prompt_token_ids"]
         if not isinstance(token_ids, (list, tuple)):
-            raise ValueError(
-                f"prompt_token_ids: must be a list of token ids, got {type(token_ids).__name__}"
+            raise refusal(
+                "prompt_token_ids", f"must be a list of token ids, got {type(token_ids).__name__}"
             )
         return ValidatedPrompt(text, self._checked(list(token_ids)), cache_salt)
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            raise refusal(
+                "sampling_params", f"expected SamplingParams, got {type(params).__name__}"
             )
         if params.logit_bias:
             outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if outside:
-                raise ValueError(
-                    f"logit_bias: token id {outside[0]} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
+                raise refusal(
+                    "logit_bias",
+                    f"token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
                 )
         check_n(self.max_num_seqs, params.n)
 
@@ -126,9 +129,10 @@ class PromptValidator:
             return
         limit = self.max_model_len * self.chars_per_token
         if len(text) > limit:
-            raise ValueError(
-                f"{field}: {len(text)} characters cannot fit in max_model_len="
-                f"{self.max_model_len} tokens (at most {limit} characters)"
+            raise refusal(
+                field,
+                f"{len(text)} characters cannot fit in max_model_len="
+                f"{self.max_model_len} tokens (at most {limit} characters)",
             )
 
     def _checked(self, token_ids: list[int]) -> list[int]:
@@ -137,12 +141,12 @@ class PromptValidator:
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ValueError("prompt: must contain at least one token")
+            raise refusal("prompt", "must contain at least one token")
         check_prompt_length(self.max_model_len, len(token_ids))
         bad = [t for t in token_ids if not _is_token_id(t) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt_token_ids: {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            raise refusal(
+                "prompt_token_ids", f"{bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
             )
 
     def check_max_tokens(

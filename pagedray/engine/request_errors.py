@@ -57,10 +57,7 @@ def failure_of(exc: BaseException, request_id: str) -> RequestFailure:
         return exc.failure
     if isinstance(exc, RequestRefused):
         return exc.failure()
-    if isinstance(exc, ValueError):  # the project's "field: message" refusals
-        message = str(exc)
-        field, sep, _ = message.partition(": ")
-        param = field if sep and field.isidentifier() else None
-        return RequestFailure(FailureKind.INVALID, message, param)
+    if isinstance(exc, ValueError):  # a refusal that names no field
+        return RequestFailure(FailureKind.INVALID, str(exc))
     logger.error("request %s failed", request_id, exc_info=exc)
     return RequestFailure(FailureKind.INTERNAL, f"internal error (request {request_id})")

@@ -17,6 +17,7 @@ from pagedray.engine.request_errors import EngineOverloadedError, RequestAborted
 from pagedray.engine.request_stream import RequestStream, Sink
 from pagedray.engine.wire import RequestStepOutput
 from pagedray.scheduler.request import EngineRequest, Request
+from pagedray.scheduler.request_failure import refusal
 
 
 @dataclass
@@ -58,7 +59,7 @@ class RequestLifecycle:
         """
         request_id = request.req_id
         if request_id in self.streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise refusal("request_id", f"{request_id!r} is already in use")
 
         def waiting() -> list[WaitingRequest]:
             # NOTE: a step may be in flight; list() copies the queue in one go (the GIL holds),

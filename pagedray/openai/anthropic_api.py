@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from pagedray.openai.protocol import chat_tool_call
+from pagedray.scheduler.request_failure import refusal
 
 # What a chat request's error names, in the field this API calls it.
 CHAT_TO_ANTHROPIC_FIELDS = {
@@ -112,7 +113,7 @@ class AnthropicToolChoice(BaseModel):
     @model_validator(mode="after")
     def _named(self) -> AnthropicToolChoice:
         if self.type == "tool" and not self.name:
-            raise ValueError("tool_choice: a name is required when type is 'tool'")
+            raise refusal("tool_choice", "a name is required when type is 'tool'")
         return self
 
 
@@ -189,9 +190,9 @@ def _check_blocks(messages: Any) -> None:
         for j, block in enumerate(content if isinstance(content, list) else []):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in _BLOCK_TYPES_REFUSED:
-                raise ValueError(
-                    f"messages.{i}.content.{j}: {kind} blocks are not supported (the model "
-                    "reads text)"
+                raise refusal(
+                    f"messages.{i}.content.{j}",
+                    f"{kind} blocks are not supported (the model reads text)",
                 )
 
 
@@ -201,9 +202,10 @@ def _check_tools(tools: Any) -> None:
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind not in (None, "custom"):
-            raise ValueError(
-                f"tools.{i}: server tool {kind!r} is not supported; tools run by the client "
-                "(with an input_schema) are"
+            raise refusal(
+                f"tools.{i}",
+                f"server tool {kind!r} is not supported; tools run by the client "
+                "(with an input_schema) are",
             )
 
 

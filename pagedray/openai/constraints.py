@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from pagedray.openai.tool_choice import check_tools, tool_choice_schema
+from pagedray.scheduler.request_failure import RequestRefused, refusal
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams
 
 # ---- requests -------------------------------------------------------------------------------
@@ -81,8 +82,8 @@ class ConstraintFields(BaseModel):
         response_format = self.response_format
         if response_format is not None and response_format.type != "text":
             if self.structured_outputs is not None:
-                raise ValueError(
-                    "response_format: give response_format or structured_outputs, not both"
+                raise refusal(
+                    "response_format", "give response_format or structured_outputs, not both"
                 )
             return _from_response_format(response_format)
         if self.structured_outputs is None:
@@ -95,12 +96,11 @@ def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsP
         return StructuredOutputsParams(json_object=True)
     json_schema = response_format.json_schema
     if json_schema is None or json_schema.schema_ is None:
-        raise ValueError("response_format: json_schema.schema is required for type json_schema")
+        raise refusal("response_format", "json_schema.schema is required for type json_schema")
     try:
         return StructuredOutputsParams(json=json_schema.schema_)
     except ValueError as exc:
-        reason = str(exc).removeprefix("structured_outputs.json: ")
-        raise ValueError(f"response_format: json_schema.schema: {reason}") from None
+        raise refusal("response_format", f"json_schema.schema: {_reason(exc)}") from None
 
 
 class ToolFields(BaseModel):
@@ -131,9 +131,8 @@ class ToolFields(BaseModel):
         try:
             return StructuredOutputsParams(json=schema)
         except ValueError as exc:
-            reason = str(exc).removeprefix("structured_outputs.json: ")
-            message = f"tools: a function's parameters are not a usable schema: {reason}"
-            raise ValueError(message) from None
+            reason = f"a function's parameters are not a usable schema: {_reason(exc)}"
+            raise refusal("tools", reason) from None
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -169,3 +168,8 @@ class DeltaToolCall(_WithoutNulls):
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
+
+
+def _reason(exc: ValueError) -> str:
+    """Why a schema was refused, without the field name it was refused under."""
+    return exc.detail if isinstance(exc, RequestRefused) else str(exc)

@@ -19,6 +19,7 @@ from pagedray.openai.protocol import (
 )
 from pagedray.openai.request_body import parse_json_body
 from pagedray.openai.tool_choice import check_tools, tools_for_template
+from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import SamplingParams
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -92,11 +93,11 @@ def detokenize(validator: PromptValidator, body: DetokenizeRequest) -> str:
     """The text of token ids, each checked against the vocabulary; no more of them than a
     sequence can hold (`max_model_len`), as the other routes bound what they tokenize."""
     if len(body.tokens) > validator.max_model_len:
-        raise ValueError(
-            f"tokens: {len(body.tokens)} tokens exceed max_model_len={validator.max_model_len}"
+        raise refusal(
+            "tokens", f"{len(body.tokens)} tokens exceed max_model_len={validator.max_model_len}"
         )
     vocab_size = validator.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"tokens: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise refusal("tokens", f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
     return validator.tokenizer.decode(body.tokens)

@@ -18,6 +18,7 @@ from pagedray.openai.constraints import (
     ToolCall,
     ToolFields,
 )
+from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
@@ -102,9 +103,9 @@ class _GenerationRequest(ConstraintFields):
     @model_validator(mode="after")
     def _check_common(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise refusal("stream_options", "only allowed when stream is true")
         if self.cache_salt is not None and not self.cache_salt:
-            raise ValueError("cache_salt: must be a non-empty string")
+            raise refusal("cache_salt", "must be a non-empty string")
         return self
 
     @property
@@ -118,7 +119,7 @@ class _GenerationRequest(ConstraintFields):
         prompt_logprobs: int | None = None,
         constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """Raises ValueError "field: message" on an out-of-range value."""
+        """Raises `RequestRefused` naming the field on an out-of-range value."""
         return SamplingParams(
             structured_outputs=constraint,
             n=self.n,
@@ -152,7 +153,7 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
         try:
             bias[int(key)] = value
         except ValueError:
-            raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+            raise refusal("logit_bias", f"keys must be token ids, got {key!r}") from None
     return bias
 
 
@@ -170,9 +171,9 @@ class CompletionRequest(_GenerationRequest):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix: not supported")
+            raise refusal("suffix", "not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of == n is supported")
+            raise refusal("best_of", "only best_of == n is supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -252,16 +253,16 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs to be true")
+            raise refusal("top_logprobs", "requires logprobs to be true")
         # Checked here too, not only by `SamplingParams`, which knows them by other names
         # (`logprobs`, `max_tokens`): the error names the field the client sent.
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
+            raise refusal(
+                "top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
             )
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
-            raise ValueError(
-                f"max_completion_tokens: must be at least 1, got {self.max_completion_tokens}"
+            raise refusal(
+                "max_completion_tokens", f"must be at least 1, got {self.max_completion_tokens}"
             )
         return self
 
@@ -270,7 +271,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         constraint, forced = self.constraint(), self.tool_constraint()
         if constraint is not None and forced is not None:
-            raise ValueError("tool_choice: a forced tool call cannot take a response_format too")
+            raise refusal("tool_choice", "a forced tool call cannot take a response_format too")
         return self._sampling_params(max_tokens, logprobs, None, forced or constraint)
 
 
@@ -283,7 +284,7 @@ class TokenizeRequest(_ChatEndingFields):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt or messages")
+            raise refusal("prompt", "give exactly one of prompt or messages")
         return self
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from pagedray.openai.protocol import chat_tool_call
+from pagedray.scheduler.request_failure import refusal
 
 # The key under which `to_chat_body` records how many leading messages came from
 # `instructions`; ChatCompletionRequest ignores unknown keys, and `conversation_after` drops those
@@ -175,7 +176,7 @@ def _check_tools(tools: Any) -> None:
         return
     for tool in tools:
         if isinstance(tool, dict) and tool.get("type") != "function":
-            raise ValueError("tools: only function tools are supported")
+            raise refusal("tools", "only function tools are supported")
 
 
 def _check_input(items: Any) -> None:
@@ -186,15 +187,15 @@ def _check_input(items: Any) -> None:
             continue
         item_type = item.get("type", "message")
         if item_type not in _ITEM_TYPES:
-            raise ValueError(f"input: item {idx}: type {item_type!r} is not supported")
+            raise refusal("input", f"item {idx}: type {item_type!r} is not supported")
         content = item.get("content")
         if item_type != "message" or not isinstance(content, list):
             continue
         for part in content:
             part_type = part.get("type") if isinstance(part, dict) else None
             if part_type not in _TEXT_PART_TYPES:
-                raise ValueError(
-                    f"input: item {idx}: content part type {part_type!r} is not supported"
+                raise refusal(
+                    "input", f"item {idx}: content part type {part_type!r} is not supported"
                 )
 
 
@@ -286,7 +287,7 @@ def conversation_after(
     `function_call_output` answers a call the history holds: take both from `response_reply`.
     """
     if any(not call.get("id") for call in tool_calls):
-        raise ValueError("conversation_after: every tool call needs the id its Response shows")
+        raise refusal("conversation_after", "every tool call needs the id its Response shows")
     num_instructions = chat_body.get(NUM_INSTRUCTION_MESSAGES_KEY, 0)
     messages = copy.deepcopy(chat_body["messages"][num_instructions:])
     reply: dict[str, Any] = {"role": "assistant", "content": output_text or ""}

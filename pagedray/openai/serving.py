@@ -221,26 +221,21 @@ def error_response(
 
 
 def bad_request(exc: Exception) -> JSONResponse:
-    """400 from a pydantic error, a "field: message" ValueError or a `RequestRefused`, naming the
-    field as param."""
+    """400 from a pydantic error or a `RequestRefused`, naming the field as param (the
+    top-level field: the message keeps the full location)."""
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, RequestRefused):  # raised by one of the model's validators
+            return error_response(400, str(refused), param=refused.param)
         message = str(first["msg"]).removeprefix("Value error, ")
         loc = ".".join(str(part) for part in first["loc"])
-        if loc:  # param is the top-level field; the message keeps the full location
+        if loc:
             return error_response(400, f"{loc}: {message}", param=str(first["loc"][0]))
-        return error_response(400, message, param=_field_of(message))
+        return error_response(400, message)
     if isinstance(exc, RequestRefused):
         return error_response(400, str(exc), param=exc.param)
-    return error_response(400, str(exc), param=_field_of(str(exc)))
-
-
-def _field_of(message: str) -> str | None:
-    """The top-level field a "field: message" (or "field.sub: message") error names, the
-    project's ValueError convention."""
-    field, sep, _ = message.partition(": ")
-    parts = field.split(".")
-    return parts[0] if sep and all(part.isidentifier() for part in parts) else None
+    return error_response(400, str(exc))
 
 
 def renamed_fields(response: Response, fields: dict[str, str]) -> Response:

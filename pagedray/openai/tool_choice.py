@@ -19,6 +19,7 @@ from pagedray.openai.tool_parsers.base import (
     new_call_id,
 )
 from pagedray.openai.tool_parsers.call_object_stream import CallObjectStream
+from pagedray.scheduler.request_failure import refusal
 
 # The "name" string of a call object, cut off before its closing quote.
 _PARTIAL_NAME = re.compile(r'"name"\s*:\s*"([a-zA-Z0-9_-]*)$')
@@ -33,15 +34,15 @@ def _empty_parameters() -> dict[str, Any]:
 
 
 def check_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> None:
-    """Raises ValueError ("field: message") unless the three fields make a valid request."""
+    """Raises `RequestRefused` naming the field unless the three fields make a valid request."""
     names = _check_tool_list(tools)
     kind, name = _choice(tool_choice)
     if kind in ("required", "named") and not names:
-        raise ValueError("tool_choice: requires tools")
+        raise refusal("tool_choice", "requires tools")
     if kind == "named" and name not in names:
-        raise ValueError(f"tool_choice: function {name!r} is not among the tools")
+        raise refusal("tool_choice", f"function {name!r} is not among the tools")
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise ValueError("parallel_tool_calls: must be a boolean")
+        raise refusal("parallel_tool_calls", "must be a boolean")
 
 
 def _check_tool_list(tools: Any) -> list[str]:
@@ -49,29 +50,29 @@ def _check_tool_list(tools: Any) -> list[str]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise ValueError("tools: must be a list")
+        raise refusal("tools", "must be a list")
     names: list[str] = []
     for idx, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ValueError(f'tools: tool {idx} must be {{"type": "function", ...}}')
+            raise refusal("tools", f'tool {idx} must be {{"type": "function", ...}}')
         function = tool.get("function")
         if not isinstance(function, dict):
-            raise ValueError(f"tools: tool {idx} has no function")
+            raise refusal("tools", f"tool {idx} has no function")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"tools: tool {idx} has no function name")
+            raise refusal("tools", f"tool {idx} has no function name")
         if not _FUNCTION_NAME.fullmatch(name):
-            raise ValueError(
-                f"tools: function name {name!r} must be 1 to 64 letters, digits, '_' or '-'"
+            raise refusal(
+                "tools", f"function name {name!r} must be 1 to 64 letters, digits, '_' or '-'"
             )
         if name in names:
-            raise ValueError(f"tools: duplicate function name {name!r}")
+            raise refusal("tools", f"duplicate function name {name!r}")
         if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise ValueError(f"tools: function {name!r} parameters must be a JSON schema object")
+            raise refusal("tools", f"function {name!r} parameters must be a JSON schema object")
         if not isinstance(function.get("description", ""), str):
-            raise ValueError(f"tools: function {name!r} description must be a string")
+            raise refusal("tools", f"function {name!r} description must be a string")
         if not isinstance(function.get("strict", False), bool):
-            raise ValueError(f"tools: function {name!r} strict must be a boolean")
+            raise refusal("tools", f"function {name!r} strict must be a boolean")
         names.append(name)
     return names
 
@@ -86,7 +87,7 @@ def _choice(tool_choice: Any) -> tuple[str, str | None]:
         function = tool_choice.get("function")
         if isinstance(function, dict) and isinstance(function.get("name"), str):
             return "named", function["name"]
-    raise ValueError(f"tool_choice: must be {_CHOICE_SHAPE}")
+    raise refusal("tool_choice", f"must be {_CHOICE_SHAPE}")
 
 
 def _functions(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -141,10 +142,10 @@ def _lift_defs(parameters: dict[str, Any], defs: dict[str, dict[str, Any]]) -> N
     for key in DEFINITION_KEYS:
         lifted = parameters.pop(key, {})
         if not isinstance(lifted, dict):
-            raise ValueError(f"tools: a function's parameters.{key} must be an object")
+            raise refusal("tools", f"a function's parameters.{key} must be an object")
         for name, definition in lifted.items():
             if defs.setdefault(key, {}).setdefault(name, definition) != definition:
-                raise ValueError(f"tools: functions define {key} {name!r} differently")
+                raise refusal("tools", f"functions define {key} {name!r} differently")
 
 
 def constrained_tool_calls(
@@ -159,16 +160,16 @@ def constrained_tool_calls(
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        raise ValueError("tool_choice: the output is not complete JSON") from None
+        raise refusal("tool_choice", "the output is not complete JSON") from None
     if kind == "named" and isinstance(value, dict):
         return [ParsedCall(new_call_id(), name or "", json.dumps(value, ensure_ascii=False))]
     if kind != "required" or not isinstance(value, list) or not value:
-        raise ValueError(f"tool_choice: the output does not follow {kind!r}")
+        raise refusal("tool_choice", f"the output does not follow {kind!r}")
     calls, functions = [], _functions(tools)
     for item in value:
         call = call_from_object(item)
         if call is None or call[0] not in functions:
-            raise ValueError(f"tool_choice: {json.dumps(item)[:80]} is not a call of a tool")
+            raise refusal("tool_choice", f"{json.dumps(item)[:80]} is not a call of a tool")
         calls.append(ParsedCall(new_call_id(), *call))
     return calls
 
@@ -186,7 +187,7 @@ class ConstrainedToolCallStreamer:
     def __init__(self, tool_choice: Any, tool_names: list[str] | None = None) -> None:
         kind, self._name = _choice(tool_choice)
         if kind not in ("named", "required"):
-            raise ValueError(f"tool_choice: {kind!r} does not constrain the output")
+            raise refusal("tool_choice", f"{kind!r} does not constrain the output")
         self._tool_names = list(tool_names or [])
         self._started = False  # the named call's id and name have been sent
         self._state = "start"  # required: start (before "["), array, done (after "]")
