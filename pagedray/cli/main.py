@@ -30,8 +30,11 @@ def _add_make_model(commands: Any) -> None:
 
     parser = commands.add_parser("make-model", help="write a seeded random HF checkpoint, offline")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument(
+        "--arch", choices=ARCHS, default=None, help="default: the preset's own, else llama"
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run_make_model)
 
@@ -39,7 +42,9 @@ def _add_make_model(commands: Any) -> None:
 def _run_make_model(args: argparse.Namespace) -> int:
     from pagedray.tools.default_model import make_model
 
-    path = make_model(args.out, arch=args.arch, preset=args.preset, seed=args.seed)
+    path = make_model(
+        args.out, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype
+    )
     print(path)
     return 0
 

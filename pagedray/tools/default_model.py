@@ -22,9 +22,17 @@ if TYPE_CHECKING:
 from pagedray.cache_dir import cache_dir
 from pagedray.tools.chat_template import CHAT_TEMPLATE
 
-__all__ = ["ARCHS", "DEFAULT_ARCH", "DEFAULT_PRESET", "PRESETS", "default_model_path", "make_model"]
+__all__ = [
+    "ARCHS",
+    "DEFAULT_ARCH",
+    "DEFAULT_PRESET",
+    "PRESETS",
+    "PRESET_ARCHS",
+    "default_model_path",
+    "make_model",
+]
 
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,
@@ -43,7 +51,43 @@ PRESETS: dict[str, dict[str, int]] = {
         "vocab_size": 4096,
         "max_position_embeddings": 2048,
     },
+    # The shapes users run, from the published config.json of each (random weights): what a
+    # step costs there is memory bandwidth and GEMM, not the serving loop.
+    "qwen2.5-0.5b": {  # Qwen/Qwen2.5-0.5B-Instruct
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "llama-3.2-1b": {  # meta-llama/Llama-3.2-1B-Instruct
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
 }
+# The architecture a preset has unless one is asked for (the real shapes are of one model each).
+PRESET_ARCHS = {"qwen2.5-0.5b": "qwen2", "llama-3.2-1b": "llama"}
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_ARCH = "llama"
 DEFAULT_PRESET = "small"
@@ -297,7 +341,7 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
 
 def make_model(
     out_dir: str | os.PathLike[str],
-    arch: str = "llama",
+    arch: str | None = None,
     preset: str = "tiny",
     seed: int = 0,
     dtype: str = "float32",
@@ -307,7 +351,7 @@ def make_model(
 
     Args:
         out_dir: target directory; replaced atomically if it already exists.
-        arch: one of `ARCHS`.
+        arch: one of `ARCHS`; None: the preset's own (`PRESET_ARCHS`), else llama.
         preset: one of `PRESETS`.
         seed: seeds both the tokenizer corpus and the weight init; same seed gives identical files.
         dtype: torch dtype name the weights are saved in.
@@ -315,6 +359,8 @@ def make_model(
     """
     import torch
 
+    if arch is None:
+        arch = PRESET_ARCHS.get(preset, DEFAULT_ARCH)
     if arch not in _MODEL_CLASS_NAMES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
@@ -343,31 +389,36 @@ def make_model(
     return out_dir
 
 
-def default_model_built(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> bool:
+def default_model_built(
+    arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET, dtype: str = "float32"
+) -> bool:
     """Whether `default_model_path` finds the build in the cache (else it builds it first)."""
-    return (_default_model_dir(arch, preset) / "model.safetensors").exists()
+    return (_default_model_dir(arch, preset, dtype) / "config.json").exists()
 
 
-def _default_model_dir(arch: str, preset: str) -> Path:
-    return cache_dir("models") / f"{arch}-{preset}-{CACHE_VERSION}"
+def _default_model_dir(arch: str, preset: str, dtype: str) -> Path:
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return cache_dir("models") / f"{arch}-{preset}{suffix}-{CACHE_VERSION}"
 
 
-def default_model_path(arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET) -> Path:
-    """Returns the cached build of (arch, preset), seed 0, building it once on first use.
+def default_model_path(
+    arch: str = DEFAULT_ARCH, preset: str = DEFAULT_PRESET, dtype: str = "float32"
+) -> Path:
+    """Returns the cached build of (arch, preset, dtype), seed 0, building it once on first use.
 
     A file lock serialises concurrent builders; the atomic rename in `make_model` means a directory
-    that exists is always complete.
+    that exists is always complete (whatever shards its weights take).
     """
-    path = _default_model_dir(arch, preset)
-    if (path / "model.safetensors").exists():
+    path = _default_model_dir(arch, preset, dtype)
+    if (path / "config.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             # Another process may have finished the build while we waited for the lock.
-            if not (path / "model.safetensors").exists():
-                make_model(path, arch=arch, preset=preset, seed=0)
+            if not (path / "config.json").exists():
+                make_model(path, arch=arch, preset=preset, seed=0, dtype=dtype)
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,11 +14,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedray.tools.default_model import (
     ARCHS,
+    PRESET_ARCHS,
     PRESETS,
     SPECIAL_TOKENS,
+    _build_config,
     default_model_path,
     make_model,
 )
+from pagedray.workers.model_config import ModelConfig
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 PROMPTS = (
@@ -165,7 +169,7 @@ def _min_top2_gap(path: Path) -> float:
     return min(gaps)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_greedy_top2_gap(tmp_path: Path, tiny_models: dict[str, Path], preset: str) -> None:
     gaps = {}
     for arch in ARCHS:
@@ -193,3 +197,74 @@ def test_default_model_path_builds_once(tmp_path: Path, monkeypatch: pytest.Monk
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path("llama", "tiny") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+# The published shapes (config.json of Qwen/Qwen2.5-0.5B-Instruct and
+# meta-llama/Llama-3.2-1B-Instruct): what the real-shape presets must reproduce.
+PUBLISHED = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+    },
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_real_shape_presets_have_the_published_shapes(preset: str) -> None:
+    """Checked on the config alone: building the weights is the benchmarks' (1-2.5 GB)."""
+    config = _build_config(
+        PRESET_ARCHS[preset], preset, "bfloat16", {"bos": 1, "eos": 2, "pad": 0}, {}
+    )
+    raw = config.to_dict()
+    parsed = ModelConfig.from_dict(raw)
+    for field, value in PUBLISHED[preset].items():
+        if field == "rope_theta":
+            assert parsed.rope_theta == value
+        else:
+            assert raw[field] == value, field
+    assert parsed.head_dim == 64 and parsed.tie_word_embeddings
+    assert parsed.dtype == torch.bfloat16
+    if preset == "llama-3.2-1b":  # llama3 rope scaling, as published
+        assert parsed.rope_scaling is not None and parsed.rope_scaling["factor"] == 32.0
+
+
+def test_a_real_shape_builds_and_runs_token_exact_with_transformers(
+    tmp_path: Path, hf_greedy: Any
+) -> None:
+    """The Qwen2.5-0.5B shape at one layer (the rest as published: its 151,936-token vocabulary
+    and tokenizer, widths, GQA, tied embeddings) through the engine, greedy, as transformers."""
+    from pagedray import LLM, SamplingParams
+
+    path = make_model(tmp_path / "qwen", preset="qwen2.5-0.5b", num_hidden_layers=1)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen2ForCausalLM"] and raw["vocab_size"] == 151936
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert len(tokenizer) == 151936
+    prompt = tokenizer.encode("Once upon a time, in a city far away,")
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=16, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (ours,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert ours.outputs[0].token_ids == hf_greedy(str(path), [prompt], 6)[0]
