@@ -183,7 +183,9 @@ def main() -> None:
     vocab = config.vocab_size
     seed = iter(range(10**6))
     print(f"decode (prompt {args.prompt_len} tokens, {args.decode_tokens} generated):")
-    print("  batch   step ms   bound ms   of bound")
+    # The bound is taken at the copy bandwidth (STREAM's convention); a plain read runs faster
+    # here, so the share of the read bound is printed too, as the stricter figure.
+    print("  batch   step ms   bound ms   of bound   of read bound")
     for batch in batches:
         steps = []
         for _ in range(args.repeats):
@@ -196,7 +198,11 @@ def main() -> None:
         context = args.prompt_len + args.decode_tokens / 2
         read = cost.decode_weight_bytes + batch * context * cost.kv_bytes_per_token
         bound = read / (machine.copy_gbps * 1e9)
-        print(f"  {batch:5d}  {step * 1e3:8.2f}  {bound * 1e3:9.2f}  {bound / step:8.0%}")
+        read_bound = read / (machine.read_gbps * 1e9)
+        print(
+            f"  {batch:5d}  {step * 1e3:8.2f}  {bound * 1e3:9.2f}  {bound / step:8.0%}"
+            f"  {read_bound / step:13.0%}"
+        )
     print(f"prefill ({args.prefill_len} tokens a prompt, the first token only):")
     print("  batch   tokens/s   TFLOP/s   of peak")
     for batch in args.prefill_batches if not args.quick else (1,):

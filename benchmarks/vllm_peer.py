@@ -15,9 +15,13 @@ What it measures, both systems in the same run:
    cell (that script runs the whole fp32/bf16 x workload table).
 2. Served: `pagedray serve` and vLLM's OpenAI server one after the other, each through the same
    guidellm sweep (synthetic 128-token prompts, 64 output tokens, EOS ignored, streamed chat
-   completions: the model has a chat template): synchronous, then 64 concurrent streams, each
-   bounded by a request count and a duration. TTFT, ITL and request latency medians and output
-   tok/s, as pagedray/vLLM ratios, and each server's concurrent tok/s over its offline tok/s.
+   completions: the model has a chat template): synchronous, then a fixed number of concurrent
+   streams (`--streams`, by default 64; several, as `--streams 1 8 32 64`, for the TTFT table),
+   each bounded by a request count and a duration. TTFT median and p95, ITL and request latency
+   medians and output tok/s, as pagedray/vLLM ratios, and each server's concurrent tok/s (the
+   most streams) over its offline tok/s.
+   `--systems pagedray,vllm,no-ray` adds `pagedray serve --no-ray` (one process: the same
+   routes over an engine it steps itself, no Serve hops) as a third system.
    NOTE: on 2 cores vLLM's API process often gets no CPU while the engine steps, so a request's
    tokens reach the client in one burst (ITL near 0, TTFT near the whole latency): the report
    says how many requests did; compare latency there rather than TTFT or ITL alone.
@@ -69,6 +73,9 @@ from vllm_peer_tools import (
 )
 
 SYSTEMS = ("pagedray", "vLLM")
+# `pagedray serve --no-ray` (one process, no Serve hops), a served system --systems may name.
+NO_RAY = "pagedray --no-ray"
+SERVED_SYSTEMS = {"pagedray": "pagedray", "vllm": "vLLM", "no-ray": NO_RAY}
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64  # the served workload, per request
 # (count, seconds) bounds per guidellm profile: full, quick.
 SYNC_BOUNDS = {False: (40, 60.0), True: (8, 20.0)}
@@ -84,7 +91,8 @@ class Served:
 
     startup_s: float
     sync: Profile
-    concurrent: Profile
+    by_streams: dict[int, Profile]  # the fixed-concurrency profiles
+    concurrent: Profile  # the most streams' (CPU accounting, served/offline)
     cpu_by_role: dict[str, float]  # CPU seconds over the concurrent benchmark, by process role
     others_share: float  # other processes' CPU over it, as a share of every CPU
 
@@ -101,10 +109,11 @@ def warm_up(url: str) -> None:
 
 
 def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) -> Served:
-    log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_peer_{system}_"))
+    log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_peer_{system.replace(' ', '')}_"))
     server: Server
-    if system == "pagedray":
-        server, role_of = Server(path, args.server_threads, 1, log_dir), _role_of
+    if system in ("pagedray", NO_RAY):
+        flags = ("--no-ray",) if system == NO_RAY else ()
+        server, role_of = Server(path, args.server_threads, 1, log_dir, 1, flags), _role_of
     else:
         server, role_of = VllmServer(env, path, log_dir), vllm_role
     guidellm = Guidellm(
@@ -121,14 +130,25 @@ def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) 
                 server.url, "kind=synchronous", *SYNC_BOUNDS[args.quick], "sync", timeline
             )
             print(f"{system} synchronous: {sync.output_tok_s:.1f} output tok/s", flush=True)
-            concurrent = guidellm.run(
-                server.url,
-                f"kind=concurrent,streams={args.streams}",
-                *CONCURRENT_BOUNDS[args.quick],
-                "concurrent",
-                timeline,
-            )
-            print(f"{system} concurrent: {concurrent.output_tok_s:.1f} output tok/s", flush=True)
+            count, seconds = CONCURRENT_BOUNDS[args.quick]
+            seconds = args.concurrent_seconds or seconds
+            by_streams = {}
+            for streams in sorted(args.streams):
+                by_streams[streams] = guidellm.run(
+                    server.url,
+                    f"kind=concurrent,streams={streams}",
+                    count,
+                    seconds,
+                    f"concurrent{streams}",
+                    timeline,
+                )
+                got = by_streams[streams]
+                print(
+                    f"{system} {streams} concurrent: {got.output_tok_s:.1f} output tok/s, "
+                    f"TTFT median {got.ttft_ms:.1f} p95 {got.ttft_p95_ms:.1f} ms",
+                    flush=True,
+                )
+            concurrent = by_streams[max(by_streams)]
         except BaseException:
             print(f"{system} sweep failed; logs stay in {log_dir}", flush=True)
             raise
@@ -138,7 +158,7 @@ def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) 
     by_role, others_s, window_s = timeline.window(concurrent.start, concurrent.end)
     by_role.pop("benchmark", None)
     others_share = others_s / (window_s * (os.cpu_count() or 1))
-    return Served(startup_s, sync, concurrent, by_role, others_share)
+    return Served(startup_s, sync, by_streams, concurrent, by_role, others_share)
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -148,34 +168,50 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "-"
 
 
-def report_served(served: dict[str, list[Served]], offline: Cell | None, streams: int) -> None:
+def report_served(
+    served: dict[str, list[Served]], offline: Cell | None, all_streams: list[int]
+) -> None:
     rounds = len(served["pagedray"])
     print(
         f"\nServed through guidellm ({PROMPT_TOKENS} prompt / {OUTPUT_TOKENS} output tokens, "
         f"streamed; median of {rounds} round(s)); ratios: higher is better for tok/s, "
         "lower for TTFT and ITL"
     )
-    print(f"{'profile':<16}{'metric':<16}{'pagedray':>10}{'vLLM':>10}{'pagedray/vLLM':>15}")
+    systems = list(served)
+    # Ratios against vLLM, where it ran.
+    ours_names = [x for x in systems if x != "vLLM"] if "vLLM" in systems else []
+    header = "".join(f"{x:>18}" for x in systems)
+    header += "".join(f"{x + '/vLLM':>26}" for x in ours_names)
+    print(f"{'profile':<16}{'metric':<16}{header}")
     rows: list[tuple[str, str, Any]] = [
         ("synchronous", "TTFT ms", lambda s: s.sync.ttft_ms),
+        ("", "TTFT p95 ms", lambda s: s.sync.ttft_p95_ms),
         ("", "ITL ms", lambda s: s.sync.itl_ms),
         ("", "latency ms", lambda s: s.sync.latency_ms),
         ("", "out tok/s", lambda s: s.sync.output_tok_s),
-        (f"concurrent {streams}", "out tok/s", lambda s: s.concurrent.output_tok_s),
-        ("", "TTFT ms", lambda s: s.concurrent.ttft_ms),
-        ("", "ITL ms", lambda s: s.concurrent.itl_ms),
-        ("", "latency ms", lambda s: s.concurrent.latency_ms),
     ]
+    for n in sorted(all_streams):
+        rows += [
+            (f"concurrent {n}", "out tok/s", lambda s, n=n: s.by_streams[n].output_tok_s),
+            ("", "TTFT ms", lambda s, n=n: s.by_streams[n].ttft_ms),
+            ("", "TTFT p95 ms", lambda s, n=n: s.by_streams[n].ttft_p95_ms),
+            ("", "ITL ms", lambda s, n=n: s.by_streams[n].itl_ms),
+            ("", "latency ms", lambda s, n=n: s.by_streams[n].latency_ms),
+        ]
+    streams = max(all_streams)
     for profile, metric, get in rows:
-        ours, theirs = (statistics.median(get(s) for s in served[x]) for x in SYSTEMS)
-        print(f"{profile:<16}{metric:<16}{ours:>10.1f}{theirs:>10.1f}{ratio(ours, theirs):>15}")
-    for system in SYSTEMS:
+        value = {x: statistics.median(get(s) for s in served[x]) for x in systems}
+        line = "".join(f"{value[x]:>18.1f}" for x in systems)
+        line += "".join(f"{ratio(value[x], value['vLLM']):>26}" for x in ours_names)
+        print(f"{profile:<16}{metric:<16}{line}")
+    for system in systems:
         runs = served[system]
         line = f"  {system}: start-up {statistics.median(s.startup_s for s in runs):.0f} s"
-        ok = sum(s.sync.num_requests + s.concurrent.num_requests for s in runs)
-        errored = sum(s.sync.num_errored + s.concurrent.num_errored for s in runs)
+        profiles = [p for s in runs for p in (s.sync, *s.by_streams.values())]
+        ok = sum(p.num_requests for p in profiles)
+        errored = sum(p.num_errored for p in profiles)
         line += f", requests ok {ok}, errored {errored}"
-        bursts = max(max(s.sync.burst_share, s.concurrent.burst_share) for s in runs)
+        bursts = max(p.burst_share for p in profiles)
         if bursts:
             line += f", up to {bursts:.0%} of a profile's requests streamed in one burst"
         line += f"; concurrent tok/s by round {[round(s.concurrent.output_tok_s) for s in runs]}"
@@ -184,7 +220,7 @@ def report_served(served: dict[str, list[Served]], offline: Cell | None, streams
             line += f"; served (concurrent) / offline: {ratio(conc, offline.median(system))}"
         print(line)
     print(f"CPU over the concurrent-{streams} run, ms per output token, by process (medians):")
-    for system in SYSTEMS:
+    for system in systems:
         runs = served[system]
         roles = {role for s in runs for role in s.cpu_by_role} - {"guidellm client"}
 
@@ -215,7 +251,13 @@ def parse_args() -> argparse.Namespace:
     add("--parts", default="offline,served", help="comma-separated: offline, served")
     add("--threads", type=int, default=2, help="pagedray's torch threads offline")
     add("--server-threads", type=int, default=None, help="pagedray serve's (default: its own)")
-    add("--streams", type=int, default=64, help="guidellm's concurrent streams")
+    add("--streams", type=int, nargs="+", default=[64], help="guidellm's concurrent streams")
+    add(
+        "--systems",
+        default="pagedray,vllm",
+        help="served systems, comma-separated from pagedray, vllm, no-ray (pagedray --no-ray)",
+    )
+    add("--concurrent-seconds", type=float, default=None, help="each concurrent profile's limit")
     add("--seed", type=int, default=0, help="seeds the offline workload")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     add_vllm_args(parser)
@@ -254,10 +296,14 @@ def main() -> None:
             log_dir,
         )  # fmt: skip
         shutil.rmtree(log_dir, ignore_errors=True)  # kept, with vLLM's log, when it failed
-    served: dict[str, list[Served]] = {system: [] for system in SYSTEMS}
+    unknown = set(args.systems.split(",")) - set(SERVED_SYSTEMS)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; from {sorted(SERVED_SYSTEMS)}")
+    systems = [SERVED_SYSTEMS[name] for name in args.systems.split(",")]
+    served: dict[str, list[Served]] = {system: [] for system in systems}
     if "served" in parts:
         for round_idx in range(args.rounds or (1 if args.quick else 3)):
-            for system in SYSTEMS if round_idx % 2 == 0 else SYSTEMS[::-1]:
+            for system in systems if round_idx % 2 == 0 else systems[::-1]:
                 served[system].append(serve_sweep(system, args, env, path))
     if offline is not None:
         report([offline])

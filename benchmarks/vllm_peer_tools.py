@@ -321,6 +321,7 @@ class Profile:
 
     output_tok_s: float  # successful requests' output tokens over the benchmark's duration
     ttft_ms: float  # median over successful requests
+    ttft_p95_ms: float
     itl_ms: float  # median inter-token latency over successful requests
     latency_ms: float  # median request latency, sending to the last token
     burst_share: float  # successful requests whose tokens all came at once (ITL under 0.5 ms)
@@ -340,6 +341,7 @@ def read_profile(path: Path) -> Profile:
     return Profile(
         output_tok_s=successful_out / benchmark["duration"],
         ttft_ms=metrics["time_to_first_token_ms"]["successful"]["median"],
+        ttft_p95_ms=metrics["time_to_first_token_ms"]["successful"]["percentiles"]["p95"],
         itl_ms=metrics["inter_token_latency_ms"]["successful"]["median"],
         latency_ms=1000 * metrics["request_latency"]["successful"]["median"],
         burst_share=bursts / max(1, len(requests)),
