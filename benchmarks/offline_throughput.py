@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pagedray.tools.default_model import default_model_path
+from pagedray.tools.default_model import PRESET_ARCHS, default_model_path
 
 SYSTEMS = ("pagedray", "continuous", "static")
 # Requests whose greedy tokens are compared across systems: a loose check, not a test.
@@ -94,12 +94,17 @@ def make_workload(
     return Workload(prompts, output_lens, warmup_prompts, [8] * len(warmup_prompts))
 
 
-def benchmark_workload(num_requests: int, quick: bool, seed: int) -> tuple[str, Workload]:
-    """The small default model's path and the seeded workload every benchmark script runs."""
+def benchmark_workload(
+    num_requests: int, quick: bool, seed: int, preset: str = "small"
+) -> tuple[str, Workload]:
+    """A built model's path (by default the small one; a real-shape preset as its publisher
+    ships it, in bfloat16) and the seeded workload every benchmark script runs."""
     from transformers import AutoTokenizer
 
     prompt_dist, output_dist = (QUICK_PROMPT, QUICK_OUTPUT) if quick else (FULL_PROMPT, FULL_OUTPUT)
-    path = str(default_model_path("llama", "small"))
+    arch = PRESET_ARCHS.get(preset, "llama")
+    stored = "float32" if preset in ("tiny", "small") else "bfloat16"
+    path = str(default_model_path(arch, preset, stored))
     tokenizer = AutoTokenizer.from_pretrained(path)
     special = set(tokenizer.all_special_ids)
     vocab_ids = [i for i in range(len(tokenizer)) if i not in special]

@@ -6,6 +6,7 @@ OpenMP threads bound to the cores) and runs in a worker process that keeps its e
 
     .venv/bin/python benchmarks/vllm_offline.py             # about 6-8 minutes on 2 cores
     .venv/bin/python benchmarks/vllm_offline.py --quick     # a smoke run
+    .venv/bin/python benchmarks/vllm_offline.py --preset qwen2.5-0.5b --dtypes bfloat16
 
 Workloads, the same token ids for both systems, greedy, EOS ignored:
 - sharegpt: `offline_throughput.py`'s 64 ShareGPT-like requests. Prefix caching off in both: every
@@ -189,6 +190,7 @@ def parse_args() -> argparse.Namespace:
     add("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     add("--threads", type=int, default=2, help="pagedray's torch threads")
     add("--seed", type=int, default=0, help="seeds the workload and the prefixes")
+    add("--preset", default="small", help="the built model (small, qwen2.5-0.5b, llama-3.2-1b)")
     add_vllm_args(parser)
     return parser.parse_args()
 
@@ -224,7 +226,7 @@ def main() -> None:
     env.check()
     num_requests = args.num_requests or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
-    path, workload = benchmark_workload(num_requests, args.quick, args.seed)
+    path, workload = benchmark_workload(num_requests, args.quick, args.seed, args.preset)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{time.strftime('%Y-%m-%d %H:%M')}; model {path}; load average {load}")
     print(f"pagedray {args.threads} threads; vLLM {env.python}, KV {env.kv_space_gib} GiB, "
