@@ -53,10 +53,18 @@ def build_metadata(
     perm = torch.randperm(num_blocks - first_block_id, generator=gen)
     ids = (first_block_id + perm[: sum(blocks_per_seq)]).tolist()
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    slots = []
-    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+    for i in range(len(seq_lens)):
         block_tables[i, : blocks_per_seq[i]] = torch.tensor(ids[: blocks_per_seq[i]])
         ids = ids[blocks_per_seq[i] :]
+    return metadata_on_blocks(query_lens, seq_lens, block_tables, block_size)
+
+
+def metadata_on_blocks(
+    query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """Metadata for a ragged batch on the blocks `block_tables` gives each sequence."""
+    slots = []
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         for pos in range(seq_len - query_len, seq_len):
             slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
     starts = [0]

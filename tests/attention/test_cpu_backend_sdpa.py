@@ -8,36 +8,12 @@ import math
 
 import pytest
 import torch
-from _paged_batch import assert_close, build_metadata, pool_size
+from _paged_batch import assert_close, build_metadata, metadata_on_blocks, pool_size
 
 from pagedray.attention import torch_ref
 from pagedray.attention.cpu_backend import paged_attention
-from pagedray.attention.metadata import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention
-
-
-def _metadata(
-    query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor
-) -> AttentionMetadata:
-    starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
-    slots = [
-        int(block_tables[i, pos // BLOCK]) * BLOCK + pos % BLOCK
-        for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
-        for pos in range(s - q, s)
-    ]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-    )
 
 
 @pytest.mark.parametrize(
@@ -68,7 +44,7 @@ def test_a_rows_output_is_the_same_behind_a_cached_prefix_and_beside_other_seque
     assert_close(whole, expected)
 
     # Its last rows alone, the first `cached` tokens read from the cache.
-    suffix = _metadata([length - cached], [length], fresh.block_tables[:1].clone())
+    suffix = metadata_on_blocks([length - cached], [length], fresh.block_tables[:1], BLOCK)
     behind_prefix = paged_attention(rows[cached:], key_cache, value_cache, suffix, scale)
     assert torch.equal(behind_prefix, whole[cached:length])
 
