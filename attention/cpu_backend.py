@@ -90,20 +90,15 @@ def attend_extends_by_sdpa(
 ) -> None:
     """Each prefill chunk's rows over its context (cached prefix, earlier chunks, itself),
     causal at the bottom right: torch's SDPA over the context's K/V gathered from its blocks."""
-    block_size = key_cache.shape[1]
-    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    for seq in extends.tolist():
-        start, end, context = starts[seq], starts[seq + 1], seq_lens[seq]
-        blocks = metadata.block_tables[seq, : -(-context // block_size)].long()
+    chunks = metadata.scratch.get("cpu.sdpa_chunks")
+    if chunks is None:  # the same for every layer of the step
+        chunks = metadata.scratch["cpu.sdpa_chunks"] = _plan_sdpa_chunks(
+            metadata, extends, key_cache.shape[1]
+        )
+    for start, end, context, blocks, mask in chunks:
         keys = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)  # [kv_heads, ctx, d]
         values = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)
         rows = query[start:end].transpose(0, 1)  # [heads, rows, d]
-        num_rows = end - start
-        if num_rows == context:
-            mask = None
-        else:  # row j sees the context up to its own position, context - num_rows + j
-            cols = torch.arange(context)
-            mask = cols[None, :] <= torch.arange(context - num_rows, context)[:, None]
         attended = F.scaled_dot_product_attention(
             rows.unsqueeze(0),
             keys.unsqueeze(0),
@@ -114,6 +109,29 @@ def attend_extends_by_sdpa(
             enable_gqa=True,
         )
         out[start:end] = attended[0].transpose(0, 1)
+
+
+SdpaChunk = tuple[int, int, int, torch.Tensor, "torch.Tensor | None"]
+
+
+def _plan_sdpa_chunks(
+    metadata: AttentionMetadata, extends: torch.Tensor, block_size: int
+) -> list[SdpaChunk]:
+    """Per prefill chunk: its rows [start, end), its context length, its blocks (int64) and its
+    mask: None for a chunk that is its whole context (plain causal), else row j seeing the
+    context up to its own position, context - num_rows + j."""
+    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    chunks: list[SdpaChunk] = []
+    for seq in extends.tolist():
+        start, end, context = starts[seq], starts[seq + 1], seq_lens[seq]
+        blocks = metadata.block_tables[seq, : -(-context // block_size)].long()
+        num_rows = end - start
+        mask = None
+        if num_rows != context:
+            positions = torch.arange(context - num_rows, context)
+            mask = torch.arange(context)[None, :] <= positions[:, None]
+        chunks.append((start, end, context, blocks, mask))
+    return chunks
 
 
 def _plan_extends(metadata: AttentionMetadata) -> torch.Tensor:  # [num_extends] int64
