@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from pagedray.engine.output_processor import ChoiceDelta
+from pagedray.engine.step_outputs import merge_step_outputs
+from pagedray.engine.wire import RequestStepOutput
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.protocol import (
     ChatChoiceLogprobs,
@@ -20,7 +22,6 @@ from pagedray.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatResponseMessage,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
@@ -75,47 +76,31 @@ class AnswerContext:
         return self.logprobs.prompt(token_ids, delta.prompt_logprobs)
 
 
-@dataclass
-class _CollectedChoice:
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    completion_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
-    chat_logprobs: list[ChatTokenLogprob] = field(default_factory=list)
-
-
 async def _collect(
-    ctx: AnswerContext, streams: EngineStreams, chat: bool
-) -> tuple[list[_CollectedChoice], UsageCounter] | RequestFailure:
-    """Run every engine request to the end; returns the choices and usage, or the failure."""
-    choices = [_CollectedChoice(text=ctx.echo_text(i)) for i in range(ctx.num_choices)]
+    ctx: AnswerContext, streams: EngineStreams
+) -> tuple[list[ChoiceDelta], UsageCounter] | RequestFailure:
+    """Run every engine request to the end; returns each choice's deltas joined into one (by
+    `merge_step_outputs`, the one place outputs merge: a request that wants one output sends one
+    already) and the usage, or the failure."""
+    by_prompt: dict[int, list[RequestStepOutput]] = {}
     usage = UsageCounter()
     async with contextlib.aclosing(streams.merged()) as merged:
         async for prompt_index, output in merged:
             if output.error is not None:
                 return output.error
             usage.add(output)
-            for delta in output.deltas:
-                choice = choices[ctx.index(prompt_index, delta)]
-                index = ctx.index(prompt_index, delta)
-                echoed = ctx.echo_logprobs(index, delta)
-                if echoed is not None:  # before the generated tokens, as the text is
-                    choice.completion_logprobs = _joined(echoed, choice.completion_logprobs)
-                if ctx.num_logprobs is not None and chat:
-                    choice.chat_logprobs += ctx.logprobs.chat(delta, ctx.num_logprobs)
-                elif ctx.num_logprobs is not None:
-                    part = ctx.logprobs.completion(delta, len(choice.text))
-                    _extend(choice.completion_logprobs, part)
-                choice.text += delta.text
-                choice.finish_reason = delta.finish_reason
-                choice.stop_reason = delta.stop_reason
+            by_prompt.setdefault(prompt_index, []).append(output)
+    choices = [ChoiceDelta("", i % ctx.n, "", [], None, None, None) for i in range(ctx.num_choices)]
+    for prompt_index, outputs in by_prompt.items():
+        for delta in merge_step_outputs(outputs).deltas:
+            choices[ctx.index(prompt_index, delta)] = delta
     return choices, usage
 
 
 async def completion_response(
     ctx: AnswerContext, streams: EngineStreams
 ) -> CompletionResponse | RequestFailure:
-    collected = await _collect(ctx, streams, chat=False)
+    collected = await _collect(ctx, streams)
     if isinstance(collected, RequestFailure):
         return collected
     choices, usage = collected
@@ -126,8 +111,8 @@ async def completion_response(
         choices=[
             CompletionChoice(
                 index=i,
-                text=c.text,
-                logprobs=c.completion_logprobs if ctx.num_logprobs is not None else None,
+                text=ctx.echo_text(i) + c.text,
+                logprobs=_completion_logprobs(ctx, i, c) if ctx.num_logprobs is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -137,18 +122,27 @@ async def completion_response(
     )
 
 
+def _completion_logprobs(ctx: AnswerContext, index: int, choice: ChoiceDelta) -> CompletionLogprobs:
+    """A whole choice's logprobs: the echoed prompt's, if asked, then the generated tokens'."""
+    generated = ctx.logprobs.completion(choice, len(ctx.echo_text(index)))
+    echoed = ctx.echo_logprobs(index, choice)
+    return generated if echoed is None else _joined(echoed, generated)
+
+
 async def chat_response(
     ctx: AnswerContext, streams: EngineStreams
 ) -> ChatCompletionResponse | RequestFailure:
-    collected = await _collect(ctx, streams, chat=True)
+    collected = await _collect(ctx, streams)
     if isinstance(collected, RequestFailure):
         return collected
     choices, usage = collected
     messages = [ChatResponseMessage(content=c.text) for c in choices]
+    finish_reasons = [c.finish_reason for c in choices]
     if ctx.tool_calls is not None:
-        for c, message in zip(choices, messages):
+        for i, (c, message) in enumerate(zip(choices, messages)):
             extracted = ctx.tool_calls.extract(c.text, c.finish_reason)
-            message.content, message.tool_calls, c.finish_reason = extracted
+            message.content, message.tool_calls, finish_reasons[i] = extracted
+    num_logprobs = ctx.num_logprobs
     return ChatCompletionResponse(
         id=ctx.request_id,
         created=ctx.created,
@@ -158,11 +152,11 @@ async def chat_response(
                 index=i,
                 message=messages[i],
                 logprobs=(
-                    ChatChoiceLogprobs(content=c.chat_logprobs)
-                    if ctx.num_logprobs is not None
+                    ChatChoiceLogprobs(content=ctx.logprobs.chat(c, num_logprobs))
+                    if num_logprobs is not None
                     else None
                 ),
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reasons[i],
                 stop_reason=c.stop_reason,
             )
             for i, c in enumerate(choices)
