@@ -8,11 +8,10 @@ loop. More replicas = more independent engines; Serve routes requests among them
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import pickle
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, cast
+from typing import Any, AsyncIterator, Callable, cast
 
 from ray import serve
 from ray.serve import Deployment
@@ -25,13 +24,11 @@ from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
-from pagedray.engine.local_engine_client import LocalEngineClient
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import failure_of
 from pagedray.engine.request_stream import Sink
-from pagedray.engine.step_outputs import merge_step_outputs
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_counts
@@ -98,42 +95,63 @@ class EngineDeployment:
             metrics=EngineMetrics(model_name),
             request_timeout_s=self.config.request_timeout_s or None,
         )
-        # Requests without an output channel are read as an in-process client reads them.
-        self.local = LocalEngineClient(self.engine)
         self.replica_id = _replica_id()
         self.channels = OutputChannels(self.engine.abort)
         # With KV cache events on, routers follow this engine's prefix cache (subscribe_kv).
         self.kv_index = KVIndexPublisher() if self.config.enable_kv_cache_events else None
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
-        """A request's outputs: the first says whether it was accepted; a failure is an output
-        with `error` set, never raised (engine/engine_client.py's contract). With a
-        `channel_id`, the outputs go through that output channel instead, and this call yields
-        only the acceptance, which names this replica, and the failure if the request fails.
+    async def generate(self, request: GenerateRequest) -> RequestStepOutput:
+        """A request, the one call shape: one unary call, answered when the request ends. A
+        failure is an answer with `error` set, never raised (engine/engine_client.py's
+        contract); cancelling the call aborts the request.
+
+        With a `channel_id` (a streamed request), its outputs go through that output channel
+        as they come, and the answer, unless a refusal or a failure, is an empty finished output
+        naming this replica. Without one, the request wants one output (`stream_interval` None),
+        and the answer is that output: the request and its answer are the only two messages.
         """
         call_logger.debug(
             "generate %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
         self._publish_kv_deltas()
-        outputs = (
-            self._generate_to_channel(request, request.channel_id)
-            if request.channel_id is not None
-            else self.local.generate(request)
-        )
-        async with contextlib.aclosing(outputs):
-            async for output in outputs:
-                yield output
+        request_id, channel_id = request.request_id, request.channel_id
+        if channel_id is None and request.stream_interval is not None:  # a caller's bug
+            return error_output(request_id, RuntimeError("a streamed request needs a channel"))
+        channel = self.channels.open(channel_id) if channel_id is not None else None
+        ended: asyncio.Future[RequestStepOutput] = asyncio.get_running_loop().create_future()
 
-    async def generate_once(self, request: GenerateRequest) -> RequestStepOutput:
-        """`generate` as one unary call, for a request that wants one output at the end
-        (stream_interval None, no channel): its refusal, its failure or its finished output.
-        A stream of acceptance, output and end costs the two sides about 0.8 ms more of CPU a
-        request. Cancelling the call aborts the request, as for `generate`."""
-        async with contextlib.aclosing(self.generate(request)) as stream:
-            outputs = [output async for output in stream]
-        if outputs[-1].error is not None or len(outputs) == 1:
-            return outputs[-1]  # its refusal or failure
-        return merge_step_outputs(outputs[1:])  # after the acceptance: one, if it asked for one
+        def sink(item: RequestStepOutput | BaseException) -> None:
+            # NOTE: called by the engine loop: it must not raise.
+            if ended.done():
+                return
+            if isinstance(item, BaseException):
+                ended.set_result(error_output(request_id, item))
+                return
+            if channel is None:
+                ended.set_result(item)  # the one output, at the end
+                return
+            channel.put(item)
+            if item.finished:
+                ended.set_result(
+                    RequestStepOutput(request_id, finished=True, replica_id=self.replica_id)
+                )
+
+        try:
+            self._add_request(request, sink)
+        except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
+            return error_output(request_id, exc)
+        if channel is not None:
+            channel.request_ids.add(request_id)
+        answer = None
+        try:
+            answer = await ended
+            return answer
+        finally:
+            finished = answer is not None and answer.error is None
+            if not finished:  # cancelled (the client went away) or failed: nothing more comes
+                self.engine.abort(request_id)
+            if channel_id is not None:
+                self.channels.end_request(channel_id, request_id, discard_outputs=not finished)
 
     async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:
         """Output channel `channel_id`'s batches, one per step, while the caller reads: each a
@@ -161,43 +179,6 @@ class EngineDeployment:
         self._publish_kv_deltas()
         async for delta in self.kv_index.subscribe():
             yield pickle.dumps(pack_delta(delta), pickle.HIGHEST_PROTOCOL)
-
-    async def _generate_to_channel(
-        self, request: GenerateRequest, channel_id: str
-    ) -> AsyncGenerator[RequestStepOutput, None]:
-        """`generate` for a request whose outputs go to output channel `channel_id`."""
-        request_id = request.request_id
-        ended: asyncio.Future[RequestStepOutput | None] = asyncio.get_running_loop().create_future()
-        channel = self.channels.open(channel_id)
-
-        def sink(item: RequestStepOutput | BaseException) -> None:
-            # NOTE: called by the engine loop: it must not raise.
-            if ended.done():
-                return
-            if isinstance(item, BaseException):
-                ended.set_result(error_output(request_id, item))
-                return
-            channel.put(item)
-            if item.finished:
-                ended.set_result(None)
-
-        try:
-            self._add_request(request, sink)
-        except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
-            yield error_output(request_id, exc)
-            return
-        channel.request_ids.add(request_id)
-        finished = False
-        try:
-            yield RequestStepOutput(request_id, replica_id=self.replica_id)  # accepted
-            error = await ended
-            finished = error is None
-            if error is not None:
-                yield error
-        finally:
-            if not finished:  # cancelled (the client went away) or failed: nothing more comes
-                self.engine.abort(request_id)
-            self.channels.end_request(channel_id, request_id, discard_outputs=not finished)
 
     def _publish_kv_deltas(self) -> None:
         """From now on, hand each step's KV delta to the publisher (on this event loop).

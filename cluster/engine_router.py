@@ -179,11 +179,14 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             return
 
     def _record_decision(self, pending: PendingRequest, replica_id: str) -> None:
-        """Count the call `pending` as routed to `replica_id`, and take its decision out of the
-        request (before the request is sent)."""
+        """Tell the sender that the call `pending` goes to `replica_id` (a streamed request's
+        outputs come through that replica's channel), count it, and take its decision out of
+        the request (before the request is sent)."""
         request = _generate_request(pending)
         if request is None:
             return
+        if request.on_routed is not None:
+            request.on_routed(replica_id)
         decision, request.routing_decision = request.routing_decision, None
         if decision is not None and self.metrics is not None:
             self.metrics.record(replica_id, *decision.for_replica(replica_id))

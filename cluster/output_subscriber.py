@@ -41,7 +41,8 @@ class OutputSubscriber:
         self._deliveries[request_id] = deliver
 
     def accepted(self, request_id: str, replica_id: str | None) -> None:
-        """`replica_id` holds the request: make sure its channel is read."""
+        """`replica_id` holds the request, or was just chosen for it (a retry may choose again):
+        make sure its channel is read."""
         if request_id not in self._deliveries or replica_id is None:
             return  # ended meanwhile
         self._replica_of[request_id] = replica_id

@@ -1,22 +1,23 @@
 """`EngineClient` over the engine deployment (engine/engine_client.py): an ingress replica's way
 to its engine replicas through Ray Serve.
 
-A request that streams (a `stream_interval`) is one streaming call that carries only its
-acceptance, naming the replica that holds it, and its failure; its outputs come through that
-replica's output channel to this ingress replica (`OutputSubscriber`), a batch per step for
-every request of ours there. A request that wants one message at the end is one unary call
-(`generate_once`), answered with it: a stream of acceptance, output and end would cost the two
-sides about 0.8 ms more of CPU a request. With cache-aware routing, each request carries its
-prompt's block hashes to the router (`EngineRequestRouter`), which keeps them (they are not sent).
+Every request is one unary call of the engine deployment's `generate`, answered when the
+request ends. A request that wants one output at the end gets it as the answer: two messages,
+the request and its answer. A streamed request's outputs come through the output channel of
+the replica that holds it to this ingress replica (`OutputSubscriber`), a batch per step for
+every request of ours there; the router names that replica as it sends the call, so that its
+channel is read before the first token; the answer then brings only a refusal, a failure or the
+end. With cache-aware routing, each request carries its prompt's block hashes to the router
+(`EngineRequestRouter`), which keeps them (they are not sent).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncGenerator, cast
+from typing import Any, AsyncGenerator
 
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 # NOTE: the module, not its `KV_VIEWS`: the router in this process reads the same object.
 from pagedray.cluster import kv_views
@@ -39,11 +40,12 @@ class ServeEngineClient:
 
     def __init__(self, engine: DeploymentHandle, control: EngineControl) -> None:
         self.engine = engine
-        self.streaming = engine.options(stream=True)
         self.control = control
         self.subscriber = OutputSubscriber(engine)
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
+        """The request's one call to the engine deployment. Leaving early cancels the call,
+        which aborts the request in the engine."""
         self._add_routing_hashes(request)
         if request.stream_interval is None:
             return self._answer(request)
@@ -63,9 +65,9 @@ class ServeEngineClient:
         return EngineLimits(self.control.max_model_len, self.control.max_num_waiting)
 
     async def _answer(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
-        """A request that wants one message: one unary call, whose answer is its refusal, its
-        failure or its finished output. Cancelling the call aborts the request."""
-        call = self.engine.generate_once.remote(request)
+        """A request that wants one output: the call's answer, its refusal, its failure or its
+        finished output."""
+        call = self.engine.generate.remote(request)
         try:
             try:
                 answer = await call
@@ -78,33 +80,29 @@ class ServeEngineClient:
     async def _through_channel(
         self, request: GenerateRequest
     ) -> AsyncGenerator[RequestStepOutput, None]:
-        """A streamed request: acceptance (or refusal) from its call, outputs from the channel,
-        a failure from whichever brings it first. Leaving early cancels the call, which aborts
-        the request in the engine."""
+        """A streamed request: its outputs from the channel, a refusal or failure from its
+        call's answer (or the channel's end, which the call then reports)."""
         request_id = request.request_id
         queue: asyncio.Queue[Any] = asyncio.Queue()
         request.channel_id = self.subscriber.channel_id
         self.subscriber.register(request_id, queue.put_nowait)
-        call = cast(DeploymentResponseGenerator, self.streaming.generate.remote(request))
-        watcher: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
+        subscriber = self.subscriber
+
+        def routed(replica_id: str) -> None:  # on the router's thread
+            loop.call_soon_threadsafe(subscriber.accepted, request_id, replica_id)
+
+        request.on_routed = routed
+        call = self.engine.generate.remote(request)
+        watcher = asyncio.create_task(_watch(call, queue, request_id, subscriber))
         try:
-            try:
-                first = await call.__anext__()
-            except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
-                first = broken_call(request_id, exc)
-            if first.error is not None:
-                yield first
-                return
-            self.subscriber.accepted(request_id, first.replica_id)
-            watcher = asyncio.create_task(_watch(call, queue, request_id))
-            yield RequestStepOutput(request_id)  # accepted
             held = None
             while True:
                 item = held if held is not None else await queue.get()
                 held = None
                 if item is _CALL_ENDED:  # its finish may still be on its way through the channel
                     lost = broken_call(request_id, ChannelLostError(request_id))
-                    asyncio.get_running_loop().call_later(CHANNEL_LAG_S, queue.put_nowait, lost)
+                    loop.call_later(CHANNEL_LAG_S, queue.put_nowait, lost)
                     continue
                 if item.error is not None:
                     yield item
@@ -114,9 +112,8 @@ class ServeEngineClient:
                 if output.finished:
                     return
         finally:
-            if watcher is not None:
-                watcher.cancel()
-            # NOTE: cancelling a handle call cancels the replica's generator, which aborts the
+            watcher.cancel()
+            # NOTE: cancelling a handle call cancels the replica's call, which aborts the
             # request there (a no-op for a call that ended).
             call.cancel()
             self.subscriber.unregister(request_id)
@@ -144,17 +141,23 @@ def broken_call(request_id: str, exc: BaseException) -> RequestStepOutput:
     return RequestStepOutput(request_id, error=RequestFailure(FailureKind.DEAD, message))
 
 
-async def _watch(call: Any, queue: asyncio.Queue[Any], request_id: str) -> None:
-    """Feed `queue` what a streamed request's call brings after its acceptance: its failure, or
-    the end of the call."""
+async def _watch(
+    call: Any, queue: asyncio.Queue[Any], request_id: str, subscriber: OutputSubscriber
+) -> None:
+    """Feed `queue` the answer of a streamed request's call: its refusal or failure, or the end
+    of the call (its outputs come through the channel of the replica the answer names: read it
+    now, should the router's word not have come)."""
     try:
-        async for item in call:
-            queue.put_nowait(item)
+        answer = await call
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
         queue.put_nowait(broken_call(request_id, exc))
         return
+    if answer.error is not None:
+        queue.put_nowait(answer)
+        return
+    subscriber.accepted(request_id, answer.replica_id)
     queue.put_nowait(_CALL_ENDED)
 
 

@@ -30,11 +30,12 @@ class EngineClient(Protocol):
     """The engines as the OpenAI server sees them."""
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
-        """The request's outputs. The first comes once the engine has accepted it (an empty
-        output) or refused it (its `error`), or, for a request that wants one message
-        (`stream_interval` None), may be its whole answer; the last is finished or carries the
-        failure that ended it. A failure is an output, never an exception: a broken call is a
-        `DEAD` failure. Closing the iterator before the end aborts the request."""
+        """The request's outputs. The first says the engine took it: an empty output (its
+        acceptance), the first with tokens, or, for a request that wants one message
+        (`stream_interval` None), its whole answer; or it carries the refusal (`error`). The last
+        is finished or carries the failure that ended it. A failure is an output, never an
+        exception: a broken call is a `DEAD` failure. Closing the iterator before the end aborts
+        the request."""
         ...
 
     async def not_ready(self, request_id: str) -> RequestFailure | None:

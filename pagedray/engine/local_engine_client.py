@@ -1,6 +1,5 @@
 """`EngineClient` over an `AsyncEngine` in this process: the OpenAI server without Ray (HTTP
-tests, a single-process server), and the engine deployment's own way to read a request that
-has no output channel.
+tests, `pagedray serve --no-ray`).
 """
 
 from __future__ import annotations

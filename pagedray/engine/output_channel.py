@@ -6,8 +6,8 @@ subscribes once to each engine replica that holds its streamed requests; those r
 channel, and each step's outputs for all of them leave as one batch, as vLLM's engine core sends
 one message per step to its front end.
 
-A request's own call still anchors it: it answers acceptance or refusal, fails if the request
-fails, and cancelling it aborts the request. The channel only carries the outputs, and lives as
+A request's own call still anchors it: its answer is the refusal, the failure or the end, and
+cancelling it aborts the request. The channel only carries the outputs, and lives as
 long as its subscription: it holds outputs until the subscriber first reads; a subscription that
 ends (the ingress went away, the stream broke) aborts the requests still on it, which then fail
 through their own calls rather than lose outputs silently; one idle for `IDLE_S` ends itself,

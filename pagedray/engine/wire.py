@@ -10,7 +10,7 @@ ingress's (engine/request_text.py); nothing crosses that the other side would dr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.scheduler.request_failure import RequestFailure
@@ -31,15 +31,16 @@ class GenerateRequest:
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None
-    # For the cache-aware router in the sender's process only (cluster/engine_router.py): the
-    # prompt's block hashes, and the decision taken with them. Never pickled: the engine has
-    # no use for them.
+    # For the router in the sender's process only (cluster/engine_router.py): the prompt's
+    # block hashes, the decision taken with them, and whom to tell which replica it chose
+    # (called on the router's thread). Never pickled: the engine has no use for them.
     routing_hashes: list[bytes] | None = None
     routing_decision: Any = None
+    on_routed: Callable[[str], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["routing_hashes"] = state["routing_decision"] = None
+        state["routing_hashes"] = state["routing_decision"] = state["on_routed"] = None
         return state
 
 
@@ -47,8 +48,8 @@ class GenerateRequest:
 class RequestStepOutput:
     """One message of an engine request's outputs: what its steps since the last one produced.
 
-    The first message of a request is its acceptance (no deltas) or its refusal (`error`); the
-    last is finished, or carries the failure that ended it.
+    The last message of a request is finished, or carries the refusal or failure that ended
+    it; an in-process client's first is its acceptance (no deltas) or its refusal.
     """
 
     request_id: str
@@ -59,6 +60,6 @@ class RequestStepOutput:
     usage: dict[str, int] | None = None
     error: RequestFailure | None = None  # set instead of deltas when the request failed
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (known after prefill)
-    # On the acceptance of a request whose outputs go through an output channel: the engine
-    # replica that holds it, whose channel the caller subscribes to (`output_channel.py`).
+    # On the end of a request whose outputs went through an output channel: the engine replica
+    # that held it, whose channel the caller reads (`output_channel.py`).
     replica_id: str | None = None

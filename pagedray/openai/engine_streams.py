@@ -22,7 +22,8 @@ logger = logging.getLogger("ray.serve.pagedray.ingress")
 
 class EngineStreams:
     """The engine requests of one client request, through one `EngineClient`: `open` waits for
-    each to be accepted, `merged` brings their outputs with text, as they come.
+    each one's first output (its acceptance, its first tokens or its refusal), `merged` brings
+    their outputs with text, as they come.
 
     A request whose every choice has ended here (a stop string) is finished at once and its
     stream closed, which aborts it in the engine.
@@ -35,13 +36,13 @@ class EngineStreams:
             for request in requests
         ]
         self.streams = [client.generate(request) for request in requests]
-        # What each stream brought with its acceptance (a one-message request's answer).
+        # What each stream's first output brought (its first tokens, or a one-message answer).
         self.firsts: list[RequestStepOutput | None] = [None] * len(requests)
         # With several streams, the task per stream that feeds `merged` its outputs.
         self.pumps: dict[int, asyncio.Task[None]] = {}
 
     async def open(self) -> RequestFailure | None:
-        """Wait until every engine request is accepted; returns the first refusal, if any."""
+        """Wait until every engine request is taken; returns the first refusal, if any."""
         try:
             firsts = await asyncio.gather(
                 *(anext(stream) for stream in self.streams), return_exceptions=True

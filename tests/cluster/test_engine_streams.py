@@ -4,7 +4,7 @@ and its output channels, against a stand-in engine handle."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Generator
 
 from transformers import AutoTokenizer
 
@@ -17,8 +17,9 @@ from pagedray.scheduler.sampling_params import SamplingParams
 
 
 class _StandInEngine:
-    """A handle whose generate call accepts (on replica "r1") and then runs until cancelled,
-    and whose subscriptions never deliver: outputs are handed in by the test."""
+    """A handle whose unary generate call is routed to replica "r1" (its router names it, as
+    `EngineRequestRouter` does) and then runs until cancelled, and whose subscriptions never
+    deliver: outputs are handed in by the test."""
 
     def __init__(self) -> None:
         self.cancelled: list[str] = []
@@ -36,28 +37,41 @@ class _StandInEngine:
 
     def remote(self, *args: Any, **kwargs: Any) -> _Call:
         request = args[0]
-        request_id = request.request_id if isinstance(request, GenerateRequest) else "subscription"
-        return _Call(self, request_id)
+        if not isinstance(request, GenerateRequest):
+            return _Call(self, "subscription")
+        if request.on_routed is not None:
+            request.on_routed("r1")
+        return _Call(self, request.request_id)
 
 
 class _Call:
+    """A call that never ends by itself: awaited (a request's) or read (a subscription's)."""
+
     def __init__(self, engine: _StandInEngine, request_id: str) -> None:
         self.engine, self.request_id = engine, request_id
-        self.accepted = False
         self.forever = asyncio.Event()
+
+    def __await__(self) -> Generator[Any, None, RequestStepOutput]:
+        yield from self.forever.wait().__await__()
+        return RequestStepOutput(self.request_id, finished=True, replica_id="r1")
 
     def __aiter__(self) -> _Call:
         return self
 
     async def __anext__(self) -> Any:
-        if self.request_id != "subscription" and not self.accepted:
-            self.accepted = True
-            return RequestStepOutput(self.request_id, replica_id="r1")
         await self.forever.wait()
         raise StopAsyncIteration
 
     def cancel(self) -> None:
         self.engine.cancelled.append(self.request_id)
+
+
+async def _opening(streams: EngineStreams) -> asyncio.Task[Any]:
+    """`streams.open()` under way: its calls sent (and routed), waiting for a first output."""
+    opening = asyncio.create_task(streams.open())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return opening
 
 
 def test_a_stop_string_in_outputs_queued_before_the_stream_is_read_ends_it(
@@ -74,10 +88,11 @@ def test_a_stop_string_in_outputs_queued_before_the_stream_is_read_ends_it(
     async def run() -> list[RequestStepOutput]:
         client = _client(engine)
         streams = EngineStreams(client, [request], tokenizer)
-        assert await streams.open() is None
+        opening = await _opening(streams)
         assert request.channel_id == client.subscriber.channel_id
         delta = ChoiceDelta("cmpl-1", 0, "", token_ids, None, None, None)
         client.subscriber._deliver([RequestStepOutput("cmpl-1", [delta])])  # a channel batch
+        assert await opening is None
         return [output async for _, output in streams.merged()]
 
     outputs = asyncio.run(asyncio.wait_for(run(), 10.0))
@@ -115,19 +130,20 @@ def test_outputs_queued_behind_a_slow_reader_leave_as_one_with_the_same_text(
         client = _client(engine)
         subscriber = client.subscriber
         streams = EngineStreams(client, [_streamed_request(request_id, len(token_ids))], tokenizer)
-        assert await streams.open() is None
+        opening = await _opening(streams)
         steps = [
             _token_output(request_id, token, "length" if i == len(token_ids) - 1 else None)
             for i, token in enumerate(token_ids)
         ]
+        # Every step's output lands before the reader first runs, or only the first does.
+        for step in steps if behind else steps[:1]:
+            subscriber._deliver([step])
+        assert await opening is None
         # NOTE: read until the finished output only: the stand-in's call never ends by itself.
         outputs: list[RequestStepOutput] = []
         merged = streams.merged()
-        if behind:  # every step's output lands before the reader first runs
-            for step in steps:
-                subscriber._deliver([step])
         while not outputs or not outputs[-1].finished:
-            if not behind:  # one step, then the reader takes it
+            if not behind and outputs:  # one step, then the reader takes it
                 subscriber._deliver([steps[len(outputs)]])
             outputs.append((await anext(merged))[1])
         await merged.aclose()

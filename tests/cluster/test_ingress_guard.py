@@ -162,24 +162,12 @@ def test_every_failure_kind_has_a_status() -> None:
 
 
 class _FakeHandle:
-    """A DeploymentHandle whose generate streams yield `items` (an exception is raised), and
-    whose unary `generate_once` answers the last of them; the output channel brings nothing."""
+    """A DeploymentHandle whose unary `generate` answers `answer` (an exception is raised); the
+    output channel brings nothing."""
 
-    def __init__(self, items: list[Any]) -> None:
-        self.items = items
-        self.generate = self
-        self.generate_once = _FakeUnary(items[-1])
-
-    def options(self, stream: bool) -> _FakeHandle:
-        return self
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return _FakeGenerator(list(self.items))
-
-
-class _FakeUnary:
     def __init__(self, answer: Any) -> None:
         self.answer = answer
+        self.generate = self
 
     def remote(self, request: GenerateRequest) -> _FakeResponse:
         return _FakeResponse(self.answer)
@@ -201,37 +189,19 @@ class _FakeResponse:
         pass
 
 
-class _FakeGenerator:
-    def __init__(self, items: list[Any]) -> None:
-        self.items = items
-
-    def __aiter__(self) -> _FakeGenerator:
-        return self
-
-    async def __anext__(self) -> Any:
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        self.items = []
-
-
 PARAMS = SamplingParams(max_tokens=4)
 
 
 def _merged_errors(
-    items: list[Any], caplog: pytest.LogCaptureFixture, unary: bool
+    answer: Any, caplog: pytest.LogCaptureFixture, unary: bool
 ) -> list[RequestFailure]:
-    """The errors a client would see: the refusal at admission, or those in the stream; with
-    `unary`, of a request that wants one output at the end (one unary call, `generate_once`)."""
+    """The errors a client would see of a request whose call answers `answer`: the refusal at
+    admission, or those in the stream; with `unary`, of a request that wants one output at the
+    end (its answer), else of a streamed one (its outputs would come through the channel)."""
 
     async def run() -> list[RequestFailure]:
         request = GenerateRequest("cmpl-7", [1], PARAMS, stream_interval=None if unary else 1)
-        handle = _FakeHandle(items)
+        handle = _FakeHandle(answer)
         client = ServeEngineClient(handle, EngineControl(handle, max_model_len=64))  # type: ignore[arg-type]
         streams = EngineStreams(client, [request], tokenizer=None)
         refused = await streams.open()
@@ -248,7 +218,7 @@ def test_a_dead_replica_is_engine_unavailable(
     caplog: pytest.LogCaptureFixture, unary: bool
 ) -> None:
     died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited, traceback ...")
-    errors = _merged_errors([RequestStepOutput("cmpl-7"), died], caplog, unary)
+    errors = _merged_errors(died, caplog, unary)
     assert errors == [RequestFailure(FailureKind.DEAD, "engine unavailable (request cmpl-7)")]
     assert "cmpl-7" in caplog.text and "pid=1234" in caplog.text
 
@@ -259,9 +229,9 @@ def test_an_internal_engine_error_keeps_only_the_request_id(
 ) -> None:
     internal = RequestFailure(FailureKind.INTERNAL, "RuntimeError: CUDA error at sampler.py:88")
     failed = RequestStepOutput("", error=internal)
-    errors = _merged_errors([RequestStepOutput("cmpl-7"), failed], caplog, unary)
+    errors = _merged_errors(failed, caplog, unary)
     assert errors == [RequestFailure(FailureKind.INTERNAL, "internal error (request cmpl-7)")]
     assert "sampler.py" in caplog.text
     # Refusals the client can act on keep their message.
     refused = RequestFailure(FailureKind.TOO_LONG, "prompt: too long", param="prompt")
-    assert _merged_errors([RequestStepOutput("", error=refused)], caplog, unary) == [refused]
+    assert _merged_errors(RequestStepOutput("", error=refused), caplog, unary) == [refused]

@@ -587,58 +587,70 @@ def test_concurrent_streams_on_both_replicas_come_through_their_channels(
     assert len(sent) == 2 and all(n >= 1 for n in sent), sent
 
 
-def test_a_request_for_one_output_is_one_unary_call(main_url: str, offline: LLM) -> None:
+def test_a_request_for_one_output_is_answered_by_its_call(main_url: str, offline: LLM) -> None:
     """Through the engine deployment's own handle: a request that wants one output at the end
-    (what a non-streamed completion without stop strings sends) is one unary call, answered
-    with its finished output, token-exact with offline, or with the engine's refusal."""
+    (what a non-streamed completion without stop strings sends) names no output channel, and
+    its unary `generate` call answers that output, token-exact with offline, or the engine's
+    refusal: two messages, the request and its answer."""
     from ray import serve
 
     engine = serve.get_deployment_handle("PagedRayEngine", "main")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    request = GenerateRequest("unary-test-0", [2, 7, 1, 8, 2], params, stream_interval=None)
-    output = engine.generate_once.remote(request).result(timeout_s=60)
+    request = GenerateRequest("once-test-0", [2, 7, 1, 8, 2], params, stream_interval=None)
+    output = engine.generate.remote(request).result(timeout_s=60)
     assert output.error is None and output.finished
     expected = offline.generate([{"prompt_token_ids": request.prompt_token_ids}], params)
     assert [t for d in output.deltas for t in d.token_ids] == expected[0].outputs[0].token_ids
     assert output.usage is None  # the ingress counts what it sends: text and usage are its own
     max_model_len = httpx.get(f"{main_url}/v1/models").json()["data"][0]["max_model_len"]
     too_long = dataclasses.replace(
-        request, request_id="unary-test-1", prompt_token_ids=[5] * max_model_len
+        request, request_id="once-test-1", prompt_token_ids=[5] * max_model_len
     )
-    refused = engine.generate_once.remote(too_long).result(timeout_s=60)
+    refused = engine.generate.remote(too_long).result(timeout_s=60)
     assert refused.error is not None and refused.error.kind is FailureKind.TOO_LONG, refused
     assert refused.error.param == "max_tokens" and not refused.deltas
+    # A streamed request without a channel is a caller's bug: refused, nothing runs.
+    unrouted = dataclasses.replace(request, request_id="once-test-2", stream_interval=1)
+    refused = engine.generate.remote(unrouted).result(timeout_s=60)
+    assert refused.error is not None and refused.error.kind is FailureKind.INTERNAL, refused
 
 
-def test_a_channel_is_read_on_the_replica_that_holds_the_request(
-    main_url: str, offline: LLM
-) -> None:
-    """Through the engine deployment's own handle: the acceptance names the replica, a
-    subscription addressed to it gets the outputs, one addressed to a gone replica fails."""
+def test_a_channel_is_read_on_the_replica_the_router_chose(main_url: str, offline: LLM) -> None:
+    """Through the engine deployment's own handle: the router names the replica it sends a
+    streamed request to (in the sender's process, before the request arrives); a subscription
+    addressed to it gets the outputs; the call's answer is the end, naming the same replica; a
+    subscription addressed to a gone replica fails."""
     from ray import serve
 
-    engine = serve.get_deployment_handle("PagedRayEngine", "main").options(stream=True)
+    engine = serve.get_deployment_handle("PagedRayEngine", "main")
+    streaming = engine.options(stream=True)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     request = GenerateRequest(
         "channel-test-0", [3, 1, 4, 1, 5], params, stream_interval=1, channel_id="channel-test"
     )
+    routed: list[str] = []
+    request.on_routed = routed.append
     call = engine.generate.remote(request)
-    accepted = next(call)
-    assert accepted.error is None and accepted.replica_id
+    deadline = time.monotonic() + 60
+    while not routed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert routed, "the router never named a replica"
     outputs = []
-    batches = engine.subscribe.remote("channel-test", replica_id=accepted.replica_id)
+    batches = streaming.subscribe.remote("channel-test", replica_id=routed[-1])
     for pickled in batches:
         outputs.extend(pickle.loads(pickled))
         if outputs[-1].finished:
             break
     batches.cancel()
-    assert list(call) == []  # the request's own call ends without an error
+    answer = call.result(timeout_s=60)
+    assert answer.error is None and answer.finished and not answer.deltas
+    assert answer.replica_id == routed[-1]
     expected = offline.generate([{"prompt_token_ids": request.prompt_token_ids}], params)
     tokens = [t for output in outputs for d in output.deltas for t in d.token_ids]
     assert tokens == expected[0].outputs[0].token_ids and outputs[-1].finished
     start = time.perf_counter()
     with pytest.raises(Exception, match="engine replica no-such-replica is gone"):
-        next(engine.subscribe.remote("channel-test", replica_id="no-such-replica"))
+        next(streaming.subscribe.remote("channel-test", replica_id="no-such-replica"))
     assert time.perf_counter() - start < 10
 
 
