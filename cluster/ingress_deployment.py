@@ -79,8 +79,12 @@ class OpenAIIngress:
         control = EngineControl(engine, config_max_model_len(engine_config))
         if engine_config.enable_kv_cache_events:  # cache-aware routing: follow engines' caches
             kv_views.KV_VIEWS.attach(engine, engine_config.block_size)
+        self.metrics = IngressMetrics(engine_config.served_name())
+        client = ServeEngineClient(
+            engine, control, engine_config.migration_limit, self.metrics.record_migration
+        )
         self.server = OpenAIServer(
-            ServeEngineClient(engine, control),
+            client,
             engine_config,
             tokenizer,
             make_validator(engine_config, tokenizer, control.max_model_len),
@@ -89,7 +93,6 @@ class OpenAIIngress:
             cors,
             self._prometheus_text,
         )
-        self.metrics = IngressMetrics(self.server.model_name)
         provision_for_this_ray_session()  # on the head: our dashboard beside Ray's in Grafana
 
     async def _prometheus_text(self) -> str | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from pagedray.cluster.serve_engine_client import MIGRATED_FAILURES
+
 TAG_KEYS = ("model_name",)
 # vLLM's buckets (seconds); inter-token latency and step time start lower, for fast GPUs.
 TTFT_BUCKETS = [
@@ -43,6 +45,8 @@ GRAMMAR_BUCKETS = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0
 # engine overloaded or dead).
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 HTTP_STATUSES = ("200", "400", "401", "404", "500", "503")
+# Why a request was sent to an engine again: the kind of its engine's failure.
+MIGRATION_REASONS = tuple(kind.value for kind in MIGRATED_FAILURES)
 
 
 class EngineMetrics:
@@ -230,17 +234,26 @@ class IngressMetrics:
             TTFT_BUCKETS,
             TAG_KEYS + ("route",),
         ).set_default_tags(tags)
+        self.request_migrations = Counter(
+            "pagedray_request_migrations",
+            "Engine requests sent to an engine again after theirs failed them before any output "
+            "reached the client, by the failure's kind (dead, aborted).",
+            TAG_KEYS + ("reason",),
+        ).set_default_tags(tags)
         if export_zeros:
             _export_zeros(self.zero_series())
 
     def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
         """The series that exist at 0 before the first request: each generation route with
-        each status it is answered with."""
+        each status it is answered with, and each reason to migrate a request."""
         return [
             (self.http_requests, {"route": route, "status": status})
             for route in GENERATION_ROUTES
             for status in HTTP_STATUSES
-        ]
+        ] + [(self.request_migrations, {"reason": reason}) for reason in MIGRATION_REASONS]
+
+    def record_migration(self, reason: str) -> None:
+        self.request_migrations.inc(tags={"reason": reason})
 
     def record(self, route: str, status: int, latency: float) -> None:
         """One answered request: its route template, HTTP status and seconds to answer."""

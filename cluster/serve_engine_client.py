@@ -9,13 +9,18 @@ every request of ours there; the router names that replica as it sends the call,
 channel is read before the first token; the answer then brings only a refusal, a failure or the
 end. With cache-aware routing, each request carries its prompt's block hashes to the router
 (`EngineRequestRouter`), which keeps them (they are not sent).
+
+A request whose engine fails it (the replica died, the engine died or aborted it from outside)
+before any of its output reached the client is sent again, to a live replica, up to
+`migration_limit` times: the client sees only the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Callable
 
 from ray.serve.handle import DeploymentHandle
 
@@ -33,15 +38,32 @@ logger = logging.getLogger("ray.serve.pagedray.ingress")
 CHANNEL_LAG_S = 10.0
 # On the queue of a streamed request: its call ended (its finish may still be on the channel).
 _CALL_ENDED = object()
+# Times a request is sent again after its engine failed it (before any output reached the
+# client), by default, and the first pause before it is (doubling with each).
+DEFAULT_MIGRATION_LIMIT = 3
+MIGRATION_PAUSE_S = 0.25
+# Failures of the engine, not of the request: the replica or its engine died, or it aborted the
+# request from outside (its output channel closed, a drain).
+MIGRATED_FAILURES = (FailureKind.DEAD, FailureKind.ABORTED)
 
 
 class ServeEngineClient:
     """The engine deployment behind `engine` (a handle routed by `EngineRequestRouter`)."""
 
-    def __init__(self, engine: DeploymentHandle, control: EngineControl) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        control: EngineControl,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        on_migration: Callable[[str], None] | None = None,
+    ) -> None:
+        """`migration_limit`: how many times one request is sent again after its engine
+        failed it; `on_migration(reason)` counts each time."""
         self.engine = engine
         self.control = control
         self.subscriber = OutputSubscriber(engine)
+        self.migration_limit = migration_limit
+        self.on_migration = on_migration
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         """The request's one call to the engine deployment. Leaving early cancels the call,
@@ -66,26 +88,28 @@ class ServeEngineClient:
 
     async def _answer(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         """A request that wants one output: the call's answer, its refusal, its failure or its
-        finished output."""
-        call = self.engine.generate.remote(request)
-        try:
+        finished output. Nothing reaches the client before it, so a failure of the engine is
+        answered by sending the request again (`_may_migrate`)."""
+        for attempt in itertools.count():
+            call = self.engine.generate.remote(request)
             try:
                 answer = await call
             except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
                 answer = broken_call(request.request_id, exc)
-            yield answer
-        finally:
-            call.cancel()
+            finally:
+                call.cancel()  # NOTE: when cancelled here, aborts the request in the engine
+            if not await self._may_migrate(request.request_id, answer.error, attempt):
+                break
+        yield answer
 
     async def _through_channel(
         self, request: GenerateRequest
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """A streamed request: its outputs from the channel, a refusal or failure from its
-        call's answer (or the channel's end, which the call then reports)."""
+        call's answer (or the channel's end, which the call then reports). Until its first
+        output reaches the client, a failure of the engine sends it again (`_may_migrate`)."""
         request_id = request.request_id
-        queue: asyncio.Queue[Any] = asyncio.Queue()
         request.channel_id = self.subscriber.channel_id
-        self.subscriber.register(request_id, queue.put_nowait)
         loop = asyncio.get_running_loop()
         subscriber = self.subscriber
 
@@ -93,30 +117,66 @@ class ServeEngineClient:
             loop.call_soon_threadsafe(subscriber.accepted, request_id, replica_id)
 
         request.on_routed = routed
-        call = self.engine.generate.remote(request)
-        watcher = asyncio.create_task(_watch(call, queue, request_id, subscriber))
-        try:
-            held = None
-            while True:
-                item = held if held is not None else await queue.get()
+        delivered = False
+        for attempt in itertools.count():
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            subscriber.register(request_id, queue.put_nowait)
+            call = self.engine.generate.remote(request)
+            watcher = asyncio.create_task(_watch(call, queue, request_id, subscriber))
+            failure: RequestStepOutput | None = None
+            try:
                 held = None
-                if item is _CALL_ENDED:  # its finish may still be on its way through the channel
-                    lost = broken_call(request_id, ChannelLostError(request_id))
-                    loop.call_later(CHANNEL_LAG_S, queue.put_nowait, lost)
-                    continue
-                if item.error is not None:
-                    yield item
-                    return
-                output, held = _with_queued(item, queue)
-                yield output
-                if output.finished:
-                    return
-        finally:
-            watcher.cancel()
-            # NOTE: cancelling a handle call cancels the replica's call, which aborts the
-            # request there (a no-op for a call that ended).
-            call.cancel()
-            self.subscriber.unregister(request_id)
+                while True:
+                    item = held if held is not None else await queue.get()
+                    held = None
+                    if item is _CALL_ENDED:  # its finish may still be coming through the channel
+                        lost = broken_call(request_id, ChannelLostError(request_id))
+                        loop.call_later(CHANNEL_LAG_S, queue.put_nowait, lost)
+                        continue
+                    if item.error is not None:
+                        if delivered:
+                            yield item
+                            return
+                        failure = item
+                        break
+                    output, held = _with_queued(item, queue)
+                    delivered = True
+                    yield output
+                    if output.finished:
+                        return
+            finally:
+                watcher.cancel()
+                # NOTE: cancelling a handle call cancels the replica's call, which aborts the
+                # request there (a no-op for a call that ended).
+                call.cancel()
+                subscriber.unregister(request_id)
+            assert failure is not None  # the loop above leaves by a return or a failure
+            if not await self._may_migrate(request_id, failure.error, attempt):
+                yield failure
+                return
+
+    async def _may_migrate(
+        self, request_id: str, failure: RequestFailure | None, attempt: int
+    ) -> bool:
+        """Whether to send a request again whose engine failed it before any of its output
+        reached the client, after a pause that lets the router learn of the failure: a replica
+        that died leaves the router's choice at once, one whose engine died when Serve's health
+        check sees it. A failure of the request itself (a refusal, its deadline) is its answer.
+        """
+        if failure is None or failure.kind not in MIGRATED_FAILURES:
+            return False
+        if attempt >= self.migration_limit:
+            logger.warning("request %s: engine failed it; no migration left", request_id)
+            return False
+        logger.warning(
+            "request %s: engine failed it (%s) before its first output; sending it again",
+            request_id,
+            failure.kind.value,
+        )
+        if self.on_migration is not None:
+            self.on_migration(failure.kind.value)
+        await asyncio.sleep(MIGRATION_PAUSE_S * 2**attempt)
+        return True
 
     def _add_routing_hashes(self, request: GenerateRequest) -> None:
         """With cache-aware routing and a choice of replicas, the prompt's block hashes, for the

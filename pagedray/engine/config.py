@@ -175,6 +175,12 @@ class EngineConfig(BaseModel):
     stream_interval: int = Field(
         1, ge=1, description="streamed responses get a chunk every N tokens (vLLM's)"
     )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="served: times a request is sent to another engine when its own fails it "
+        "before any output reached the client (0: never)",
+    )
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
     )

@@ -180,6 +180,19 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         _quantile_exprs("ray_pagedray_http_request_latency_seconds", (0.5, 0.99), ("route",)),
     ),
     (
+        "Requests migrated to another engine",
+        "reqps",
+        "Requests sent to a live engine replica again after theirs failed them before any "
+        "output reached the client, by the failure: dead (the replica or its engine died) or "
+        "aborted (from outside: a drain, a lost output channel).",
+        [
+            (
+                f"sum by (model_name, reason) ({_rate('ray_pagedray_request_migrations_total')})",
+                "{{reason}} {{model_name}}",
+            ),
+        ],
+    ),
+    (
         "Routed requests per engine replica",
         "reqps",
         "Generation calls the router sent to each engine replica per second.",

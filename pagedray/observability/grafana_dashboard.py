@@ -31,6 +31,7 @@ COUNTERS = (
     "ray_pagedray_request_success_total",  # tag finished_reason
     "ray_pagedray_http_requests_total",  # the ingress's; tags route, status
     "ray_pagedray_routed_requests_total",  # the engine router's (in the ingress); replica, reason
+    "ray_pagedray_request_migrations_total",  # the ingress's; tag reason
     "ray_pagedray_structured_output_requests_total",  # tag kind
 )
 HISTOGRAMS = (

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Generator
 
+import pytest
 from transformers import AutoTokenizer
 
+from pagedray.cluster import serve_engine_client
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.serve_engine_client import ServeEngineClient
 from pagedray.engine.output_processor import ChoiceDelta
@@ -21,8 +23,10 @@ class _StandInEngine:
     `EngineRequestRouter` does) and then runs until cancelled, and whose subscriptions never
     deliver: outputs are handed in by the test."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_failing_calls: int = 0) -> None:
+        """The first `num_failing_calls` generate calls go to replica "r0", which dies."""
         self.cancelled: list[str] = []
+        self.num_failing_calls = num_failing_calls
 
     def options(self, stream: bool) -> _StandInEngine:
         return self
@@ -39,19 +43,24 @@ class _StandInEngine:
         request = args[0]
         if not isinstance(request, GenerateRequest):
             return _Call(self, "subscription")
+        dies = self.num_failing_calls > 0
+        self.num_failing_calls -= 1
         if request.on_routed is not None:
-            request.on_routed("r1")
-        return _Call(self, request.request_id)
+            request.on_routed("r0" if dies else "r1")
+        return _Call(self, request.request_id, dies)
 
 
 class _Call:
     """A call that never ends by itself: awaited (a request's) or read (a subscription's)."""
 
-    def __init__(self, engine: _StandInEngine, request_id: str) -> None:
-        self.engine, self.request_id = engine, request_id
+    def __init__(self, engine: _StandInEngine, request_id: str, dies: bool = False) -> None:
+        self.engine, self.request_id, self.dies = engine, request_id, dies
         self.forever = asyncio.Event()
 
     def __await__(self) -> Generator[Any, None, RequestStepOutput]:
+        if self.dies:
+            yield from asyncio.sleep(0).__await__()
+            raise RuntimeError("ActorDiedError: the replica's process exited")
         yield from self.forever.wait().__await__()
         return RequestStepOutput(self.request_id, finished=True, replica_id="r1")
 
@@ -158,3 +167,31 @@ def test_outputs_queued_behind_a_slow_reader_leave_as_one_with_the_same_text(
         assert [t for output in outputs for d in output.deltas for t in d.token_ids] == token_ids
         assert outputs[-1].finished and outputs[-1].usage is not None
         assert outputs[-1].usage["completion_tokens"] == len(token_ids)
+
+
+def test_a_stream_whose_replica_dies_before_its_first_output_goes_to_another(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first replica dies before the stream's first output: the request is sent again, its
+    outputs come from the replica chosen then, and the client sees one whole stream."""
+    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    token_ids = tokenizer.encode("hello world again", add_special_tokens=False)
+    engine = _StandInEngine(num_failing_calls=1)
+
+    async def run() -> list[RequestStepOutput]:
+        client = _client(engine)
+        streams = EngineStreams(client, [_streamed_request("cmpl-m", len(token_ids))], tokenizer)
+        opening = await _opening(streams)
+        for _ in range(20):  # the failed call, the pause, the call sent again
+            await asyncio.sleep(0.002)
+        assert client.subscriber._replica_of == {"cmpl-m": "r1"}
+        for i, token in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            client.subscriber._deliver([_token_output("cmpl-m", token, "length" if last else None)])
+        assert await opening is None
+        return [output async for _, output in streams.merged()]
+
+    outputs = asyncio.run(asyncio.wait_for(run(), 10.0))
+    assert [t for output in outputs for d in output.deltas for t in d.token_ids] == token_ids
+    assert outputs[-1].finished and all(output.error is None for output in outputs)

@@ -12,9 +12,12 @@ from typing import Any, Iterator
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
 
+from pagedray.cluster import serve_engine_client
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.serve_engine_client import ServeEngineClient
+from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings, IngressGuard, api_key_digest
@@ -162,15 +165,17 @@ def test_every_failure_kind_has_a_status() -> None:
 
 
 class _FakeHandle:
-    """A DeploymentHandle whose unary `generate` answers `answer` (an exception is raised); the
-    output channel brings nothing."""
+    """A DeploymentHandle whose unary `generate` calls answer `answers` in turn, the last again
+    and again (an exception is raised); the output channel brings nothing."""
 
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
         self.generate = self
+        self.num_calls = 0
 
     def remote(self, request: GenerateRequest) -> _FakeResponse:
-        return _FakeResponse(self.answer)
+        self.num_calls += 1
+        return _FakeResponse(self.answers.pop(0) if len(self.answers) > 1 else self.answers[0])
 
 
 class _FakeResponse:
@@ -197,20 +202,76 @@ def _merged_errors(
 ) -> list[RequestFailure]:
     """The errors a client would see of a request whose call answers `answer`: the refusal at
     admission, or those in the stream; with `unary`, of a request that wants one output at the
-    end (its answer), else of a streamed one (its outputs would come through the channel)."""
+    end (its answer), else of a streamed one (its outputs would come through the channel).
+    Without migrations: their own test follows."""
+    outputs = _outputs(_FakeHandle(answer), caplog, unary, migration_limit=0)
+    return [output.error for output in outputs if output.error is not None]
 
-    async def run() -> list[RequestFailure]:
+
+def _outputs(
+    handle: _FakeHandle,
+    caplog: pytest.LogCaptureFixture,
+    unary: bool,
+    migration_limit: int,
+    tokenizer: Any = None,
+) -> list[RequestStepOutput]:
+    """What a client's request through `handle` gets: its refusal, or its outputs (their text
+    made by `tokenizer`)."""
+
+    async def run() -> list[RequestStepOutput]:
         request = GenerateRequest("cmpl-7", [1], PARAMS, stream_interval=None if unary else 1)
-        handle = _FakeHandle(answer)
-        client = ServeEngineClient(handle, EngineControl(handle, max_model_len=64))  # type: ignore[arg-type]
-        streams = EngineStreams(client, [request], tokenizer=None)
+        control = EngineControl(handle, max_model_len=64)  # type: ignore[arg-type]
+        client = ServeEngineClient(
+            handle,  # type: ignore[arg-type]
+            control,
+            migration_limit,
+            on_migration=migrations.append,
+        )
+        streams = EngineStreams(client, [request], tokenizer)
         refused = await streams.open()
         if refused is not None:
-            return [refused]
-        return [out.error async for _, out in streams.merged() if out.error is not None]
+            return [RequestStepOutput("cmpl-7", error=refused)]
+        return [out async for _, out in streams.merged()]
 
+    migrations: list[str] = []
     with caplog.at_level(logging.WARNING, logger="ray.serve.pagedray.ingress"):
-        return asyncio.run(run())
+        outputs = asyncio.run(run())
+    assert len(migrations) == handle.num_calls - 1  # each call after the first, counted
+    return outputs
+
+
+@pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
+def test_a_request_its_engine_failed_before_any_output_is_sent_again(
+    caplog: pytest.LogCaptureFixture,
+    unary: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_llama: str,
+) -> None:
+    """A replica that died, or an engine that aborted the request from outside, before any of
+    its output reached the client: the request goes again (up to the limit), and the client
+    sees only the answer; past the limit it sees the failure; its own failures are final."""
+    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited")
+    aborted = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.ABORTED, "aborted"))
+    delta = ChoiceDelta("cmpl-7", 0, "", [5], None, "length", None)
+    answer = RequestStepOutput("cmpl-7", [delta], finished=True)
+    if unary:
+        handle = _FakeHandle(died, aborted, answer)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+        outputs = _outputs(handle, caplog, unary, migration_limit=2, tokenizer=tokenizer)
+        assert handle.num_calls == 3 and [o.error for o in outputs] == [None]
+        assert outputs[-1].finished and outputs[-1].deltas[0].token_ids == [5]
+        assert "sending it again" in caplog.text
+    handle = _FakeHandle(died, died, answer)
+    outputs = _outputs(handle, caplog, unary, migration_limit=1)
+    assert handle.num_calls == 2
+    assert [o.error for o in outputs] == [
+        RequestFailure(FailureKind.DEAD, "engine unavailable (request cmpl-7)")
+    ]
+    timed_out = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.TIMEOUT, "late"))
+    handle = _FakeHandle(timed_out, answer)
+    outputs = _outputs(handle, caplog, unary, migration_limit=3)
+    assert handle.num_calls == 1 and outputs[-1].error == timed_out.error
 
 
 @pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])

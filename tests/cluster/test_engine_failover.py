@@ -1,0 +1,93 @@
+"""An engine replica that dies costs its requests nothing when none of their output has reached
+the client yet (issue P14, before the first token): the ingress sends each again to a live
+replica, and the client gets the answer it would have had, token for token.
+
+Two engine replicas whose steps sleep (so that requests are still running when one is killed),
+non-streamed greedy completions spread over both; one replica's process is killed by Ray (no
+exit handler runs, as in a crash) while both hold requests.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from _serve_apps import deploy_app
+from slow_engine import slow_engine_builder
+
+MODEL = "tiny"
+APP = "failover"
+STEP_SLEEP_S = 0.05
+MAX_TOKENS = 48  # about 2.5 s a request: still running when the replica dies
+NUM_REQUESTS = 8
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    from pagedray.cluster.openai_app import build_openai_app
+    from pagedray.engine.config import EngineConfig
+
+    config = EngineConfig(
+        model=tiny_llama, served_model_name=MODEL, num_kv_blocks=128, num_threads=1
+    )
+    app = build_openai_app(
+        config,
+        engine_builder=slow_engine_builder(STEP_SLEEP_S),
+        num_replicas=2,
+        routing="power-of-two",
+        ingress_num_cpus=0.1,
+    )
+    yield from deploy_app(serve_url, APP, app)
+
+
+def _replicas(url: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{url}/stats", timeout=30)
+    return response.json()["replicas"] if response.status_code == 200 else []
+
+
+def _complete(url: str, index: int) -> tuple[int, str]:
+    body = {
+        "model": MODEL,
+        "prompt": f"request {index} of the failover test:",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
+    text = response.json()["choices"][0]["text"] if response.status_code == 200 else response.text
+    return response.status_code, text
+
+
+def _kill_replica(replica_id: str) -> None:
+    """Kill an engine replica's process, as a crash would (Serve then starts another)."""
+    import ray
+
+    name = f"SERVE_REPLICA::{APP}#PagedRayEngine#{replica_id}"
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def test_requests_on_a_killed_engine_replica_are_answered_by_the_other(url: str) -> None:
+    indices = list(range(NUM_REQUESTS))
+    with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        expected = list(pool.map(lambda i: _complete(url, i), indices))
+    assert all(status == 200 for status, _ in expected), expected
+
+    with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        futures = [pool.submit(_complete, url, i) for i in indices]
+        deadline = time.monotonic() + 30
+        while True:  # both replicas hold requests: the killed one takes some with it
+            running = {r["replica_id"]: r["num_running"] for r in _replicas(url)}
+            if len(running) == 2 and all(n > 0 for n in running.values()):
+                break
+            assert time.monotonic() < deadline, running
+            time.sleep(0.05)
+        victim = min(running, key=lambda replica_id: -running[replica_id])
+        _kill_replica(victim)
+        answers = [future.result() for future in futures]
+
+    assert answers == expected  # every one answered, token-exact, none failed
+    assert victim not in {r["replica_id"] for r in _replicas(url)}
