@@ -199,6 +199,7 @@ class EngineDeployment:
             priority=request.priority,
             cache_salt=request.cache_salt,
             stream_interval=request.stream_interval,
+            output_token_ids=request.output_token_ids,
             sink=sink,
         )
 

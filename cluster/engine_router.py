@@ -65,8 +65,8 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     """The replicas caching most of a request's prefix (cache-aware, see the module), else two
     random replicas (same node first), the less loaded taken; a call with `replica_id=...` goes
     to that replica, or, if it is gone, to any (which then refuses it, so that it fails at once
-    instead of waiting). Cache-aware ranking ignores locality: a cached prefix saves more than
-    a hop."""
+    instead of waiting); a request that replicas failed goes to none of them. Cache-aware
+    ranking ignores locality: a cached prefix saves more than a hop."""
 
     _live_replica_ids: frozenset[str] = frozenset()
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
@@ -107,6 +107,16 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             if pending_request is not None and not addressed:
                 pending_request.routing_context.should_backoff = True  # never a busy loop
             return [addressed or candidate_replicas[:1]]
+        request = _generate_request(pending_request)
+        if request is not None and request.failed_replica_ids:  # a request moving elsewhere
+            failed = request.failed_replica_ids
+            candidate_replicas = [
+                r for r in candidate_replicas if r.replica_id.unique_id not in failed
+            ]
+            if not candidate_replicas:  # none yet: back off (the sender gives up in time)
+                if pending_request is not None:
+                    pending_request.routing_context.should_backoff = True  # never a busy loop
+                return []
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         local = [by_id[i] for i in self.apply_locality_routing(pending_request) if i in by_id]
         pool = local or candidate_replicas

@@ -11,8 +11,10 @@ end. With cache-aware routing, each request carries its prompt's block hashes to
 (`EngineRequestRouter`), which keeps them (they are not sent).
 
 A request whose engine fails it (the replica died, the engine died or aborted it from outside)
-before any of its output reached the client is sent again, to a live replica, up to
-`migration_limit` times: the client sees only the answer.
+is sent again, to a live replica, up to `migration_limit` times: before any of its output
+reached the client, whole; after, a streamed request of one choice resumes from the tokens the
+client has (`GenerateRequest.output_token_ids`), which the new engine computes as context and
+samples on from, so that a greedy or seeded request's stream goes on token for token.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ _CALL_ENDED = object()
 # client), by default, and the first pause before it is (doubling with each).
 DEFAULT_MIGRATION_LIMIT = 3
 MIGRATION_PAUSE_S = 0.25
+# Seconds the router may take to place a request sent again before there is taken to be no
+# live replica (it places one in milliseconds when there is).
+MIGRATION_ROUTE_S = 1.0
 # Failures of the engine, not of the request: the replica or its engine died, or it aborted the
 # request from outside (its output channel closed, a drain).
 MIGRATED_FAILURES = (FailureKind.DEAD, FailureKind.ABORTED)
@@ -90,57 +95,95 @@ class ServeEngineClient:
         """A request that wants one output: the call's answer, its refusal, its failure or its
         finished output. Nothing reaches the client before it, so a failure of the engine is
         answered by sending the request again (`_may_migrate`)."""
+        request_id = request.request_id
+        loop = asyncio.get_running_loop()
+        routed = asyncio.Event()
+        placed: list[str] = []  # the replica of each attempt, as the router names it
+
+        def place(replica_id: str) -> None:
+            placed.append(replica_id)
+            routed.set()
+
+        def on_routed(replica_id: str) -> None:  # on the router's thread
+            loop.call_soon_threadsafe(place, replica_id)
+
+        request.on_routed = on_routed
+        answer = None
         for attempt in itertools.count():
+            routed.clear()
             call = self.engine.generate.remote(request)
             try:
-                answer = await call
-            except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
-                answer = broken_call(request.request_id, exc)
+                if answer is not None and not await _routed_in_time(routed, request_id):
+                    break  # no live replica: the failure stands
+                try:
+                    answer = await call
+                except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
+                    answer = broken_call(request_id, exc)
             finally:
                 call.cancel()  # NOTE: when cancelled here, aborts the request in the engine
-            if not await self._may_migrate(request.request_id, answer.error, attempt):
+            if not await self._may_migrate(request_id, answer.error, attempt):
                 break
+            request.failed_replica_ids.update(placed[-1:])  # it moves to another
+        assert answer is not None
         yield answer
 
     async def _through_channel(
         self, request: GenerateRequest
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """A streamed request: its outputs from the channel, a refusal or failure from its
-        call's answer (or the channel's end, which the call then reports). Until its first
-        output reaches the client, a failure of the engine sends it again (`_may_migrate`)."""
+        call's answer (or the channel's end, which the call then reports). A failure of the
+        engine sends it again (`_may_migrate`), resumed from the tokens that reached the caller
+        (a request of one choice; one of several fails once its output has begun)."""
         request_id = request.request_id
         request.channel_id = self.subscriber.channel_id
         loop = asyncio.get_running_loop()
         subscriber = self.subscriber
+        routed = asyncio.Event()
+        placed: list[str] = []  # the replica of each attempt, as the router names it
 
-        def routed(replica_id: str) -> None:  # on the router's thread
-            loop.call_soon_threadsafe(subscriber.accepted, request_id, replica_id)
+        def read_channel(replica_id: str) -> None:
+            subscriber.accepted(request_id, replica_id)
+            placed.append(replica_id)
+            routed.set()
 
-        request.on_routed = routed
-        delivered = False
+        def on_routed(replica_id: str) -> None:  # on the router's thread
+            loop.call_soon_threadsafe(read_channel, replica_id)
+
+        request.on_routed = on_routed
+
+        def channel_lost() -> None:
+            queue.put_nowait(broken_call(request_id, ChannelLostError(request_id)))
+
+        resumed_from = list(request.output_token_ids)
+        delivered: list[int] | None = None  # the tokens that reached the caller, once any did
+        failure: RequestStepOutput | None = None
         for attempt in itertools.count():
+            routed.clear()
             queue: asyncio.Queue[Any] = asyncio.Queue()
             subscriber.register(request_id, queue.put_nowait)
             call = self.engine.generate.remote(request)
             watcher = asyncio.create_task(_watch(call, queue, request_id, subscriber))
-            failure: RequestStepOutput | None = None
             try:
+                if failure is not None and not await _routed_in_time(routed, request_id):
+                    yield failure  # no live replica: the failure stands
+                    return
+                failure = None
                 held = None
                 while True:
                     item = held if held is not None else await queue.get()
                     held = None
                     if item is _CALL_ENDED:  # its finish may still be coming through the channel
-                        lost = broken_call(request_id, ChannelLostError(request_id))
-                        loop.call_later(CHANNEL_LAG_S, queue.put_nowait, lost)
+                        loop.call_later(CHANNEL_LAG_S, channel_lost)
                         continue
                     if item.error is not None:
-                        if delivered:
-                            yield item
+                        if delivered is not None and request.sampling_params.n != 1:
+                            yield item  # n choices begun: they cannot resume as one request
                             return
                         failure = item
                         break
                     output, held = _with_queued(item, queue)
-                    delivered = True
+                    delivered = delivered or []
+                    delivered += [token for delta in output.deltas for token in delta.token_ids]
                     yield output
                     if output.finished:
                         return
@@ -150,31 +193,32 @@ class ServeEngineClient:
                 # request there (a no-op for a call that ended).
                 call.cancel()
                 subscriber.unregister(request_id)
-            assert failure is not None  # the loop above leaves by a return or a failure
             if not await self._may_migrate(request_id, failure.error, attempt):
                 yield failure
                 return
+            # Another engine continues from what reached the caller (`output_token_ids`): a
+            # greedy or seeded request, token for token as if nothing had happened.
+            request.failed_replica_ids.update(placed[-1:])
+            request.output_token_ids = resumed_from + (delivered or [])
 
     async def _may_migrate(
         self, request_id: str, failure: RequestFailure | None, attempt: int
     ) -> bool:
-        """Whether to send a request again whose engine failed it before any of its output
-        reached the client, after a pause that lets the router learn of the failure: a replica
-        that died leaves the router's choice at once, one whose engine died when Serve's health
-        check sees it. A failure of the request itself (a refusal, its deadline) is its answer.
+        """Whether to send a request again whose engine failed it, after a pause that lets the
+        router learn of the failure: a replica that died leaves the router's choice at once, one
+        whose engine died when Serve's health check sees it. Not for a failure of the request
+        itself (a refusal, its deadline), which is its answer. (Sent again, a request that the
+        router cannot place within `MIGRATION_ROUTE_S` fails too: see `_routed_in_time`.)
         """
         if failure is None or failure.kind not in MIGRATED_FAILURES:
             return False
         if attempt >= self.migration_limit:
             logger.warning("request %s: engine failed it; no migration left", request_id)
             return False
-        logger.warning(
-            "request %s: engine failed it (%s) before its first output; sending it again",
-            request_id,
-            failure.kind.value,
-        )
+        reason = failure.kind.value
+        logger.warning("request %s: engine failed it (%s); sending it again", request_id, reason)
         if self.on_migration is not None:
-            self.on_migration(failure.kind.value)
+            self.on_migration(reason)
         await asyncio.sleep(MIGRATION_PAUSE_S * 2**attempt)
         return True
 
@@ -199,6 +243,19 @@ def broken_call(request_id: str, exc: BaseException) -> RequestStepOutput:
     logger.warning("request %s: engine call failed: %r", request_id, exc)
     message = f"engine unavailable (request {request_id})"
     return RequestStepOutput(request_id, error=RequestFailure(FailureKind.DEAD, message))
+
+
+async def _routed_in_time(routed: asyncio.Event, request_id: str) -> bool:
+    """Whether the router placed a request sent again within `MIGRATION_ROUTE_S`: it waits
+    for a live replica other than those that failed it, and when there was only one, its
+    replacement takes seconds to start, so the request fails now, as it would have without the
+    move."""
+    try:
+        await asyncio.wait_for(routed.wait(), MIGRATION_ROUTE_S)
+    except asyncio.TimeoutError:
+        logger.warning("request %s: no live engine replica to move it to", request_id)
+        return False
+    return True
 
 
 async def _watch(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedray.scheduler.grammar import RequestGrammar
 from pagedray.scheduler.messages import TokenLogprobs
@@ -46,6 +46,9 @@ class EngineRequest:
     arrival_time: float = 0.0  # seconds, time.time(); 0 = now
     priority: int = 0  # lower runs first under the "priority" policy
     cache_salt: str | None = None  # per-tenant isolation of the prefix cache
+    # Its output so far, when it resumes here after another engine lost it (n = 1): computed
+    # again as context, never sent again, sampled on from the next position.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 class Request:
@@ -65,8 +68,10 @@ class Request:
         self.cache_salt = engine_request.cache_salt
         self.parent_req_id = parent_req_id  # set on forked children
         self.choice_index = choice_index  # which of the parent's n outputs this is
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(engine_request.output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        # A resumed output not yet replayed through the request's grammar (at its admission).
+        self.unreplayed_token_ids: list[int] = list(engine_request.output_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
         self.num_preemptions = 0

@@ -76,6 +76,8 @@ class Scheduler:
         if req.req_id in self.requests or req.req_id in self.children:
             raise refusal("request_id", f"{req.req_id!r} is already in use")
         self.check_limits(req.num_tokens, req.sampling_params.n)
+        if req.output_token_ids and req.sampling_params.n != 1:
+            raise refusal("n", "only a request of one choice resumes from its output")
         constraint = req.sampling_params.structured_outputs
         if constraint is not None:
             if self.structured is None:
@@ -176,6 +178,15 @@ class Scheduler:
                 self.pending_outputs.append(self._error_output(req, refusal))
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 continue
+            if req.grammar is not None and req.unreplayed_token_ids:
+                # A resumed output: the grammar's state is where those tokens left it.
+                replayed, req.unreplayed_token_ids = req.unreplayed_token_ids, []
+                if not req.grammar.accept(replayed):
+                    message = "the resumed output does not match its structured_outputs"
+                    refusal = RequestFailure(FailureKind.INVALID, message, "structured_outputs")
+                    self.pending_outputs.append(self._error_output(req, refusal))
+                    self._finish(req, RequestStatus.FINISHED_ERROR)
+                    continue
             req_num_seqs = num_seqs(req)
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break

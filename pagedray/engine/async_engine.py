@@ -92,9 +92,11 @@ class AsyncEngine:
         cache_salt: str | None = None,
         stream_interval: int | None = 1,
         sink: Sink | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """Queue a validated request; returns its stream of outputs, merged per
         `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
+        `output_token_ids`: its output so far, from an engine that lost it (it resumes there).
 
         Closing or cancelling the stream before it finishes aborts the request. With `sink`,
         each output (or the failure) goes to it instead, and `abort()` ends the request.
@@ -116,6 +118,7 @@ class AsyncEngine:
             arrival_time=time.time(),  # now, not when the step in flight ends
             priority=priority,
             cache_salt=cache_salt,
+            output_token_ids=list(output_token_ids or ()),
         )
         return self.requests.accept(
             engine_request,

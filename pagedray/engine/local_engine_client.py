@@ -33,6 +33,7 @@ class LocalEngineClient:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 stream_interval=request.stream_interval,
+                output_token_ids=request.output_token_ids,
             )
         except Exception as exc:  # noqa: BLE001 - refused: reported to the caller, not raised
             yield RequestStepOutput(request_id, error=failure_of(exc, request_id))

@@ -28,19 +28,25 @@ class GenerateRequest:
     cache_salt: str | None = None
     # Tokens per message (vLLM's --stream-interval); None: one message, at the end.
     stream_interval: int | None = 1
+    # Its output so far, when an engine lost it after some reached the client (n = 1): the
+    # engine it moves to continues from there (scheduler/request.py's `EngineRequest`).
+    output_token_ids: list[int] = field(default_factory=list)
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None
     # For the router in the sender's process only (cluster/engine_router.py): the prompt's
-    # block hashes, the decision taken with them, and whom to tell which replica it chose
-    # (called on the router's thread). Never pickled: the engine has no use for them.
+    # block hashes, the decision taken with them, whom to tell which replica it chose (called
+    # on the router's thread), and the replicas that failed this request (it moves elsewhere).
+    # Never pickled: the engine has no use for them.
     routing_hashes: list[bytes] | None = None
     routing_decision: Any = None
     on_routed: Callable[[str], None] | None = None
+    failed_replica_ids: set[str] = field(default_factory=set)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["routing_hashes"] = state["routing_decision"] = state["on_routed"] = None
+        state["failed_replica_ids"] = set()
         return state
 
 

@@ -1,15 +1,16 @@
-"""An engine replica that dies costs its requests nothing when none of their output has reached
-the client yet (issue P14, before the first token): the ingress sends each again to a live
-replica, and the client gets the answer it would have had, token for token.
+"""An engine replica that dies costs its requests nothing (issue P14): the ingress sends each
+again to a live replica, a non-streamed one whole, a stream resumed from the tokens its client
+has, and the client gets the answer it would have had, token for token, in one stream.
 
-Two engine replicas whose steps sleep (so that requests are still running when one is killed),
-non-streamed greedy completions spread over both; one replica's process is killed by Ray (no
-exit handler runs, as in a crash) while both hold requests.
+Two engine replicas whose steps sleep (so that requests are still running when one is killed);
+a replica's process is killed by Ray (no exit handler runs, as in a crash) while it holds them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import threading
 import time
 from typing import Any, Iterator
 
@@ -62,6 +63,21 @@ def _complete(url: str, index: int) -> tuple[int, str]:
     return response.status_code, text
 
 
+def _stream(url: str, body: dict[str, Any], chunks: list[str]) -> str | None:
+    """Stream a completion, appending each chunk's text to `chunks` as it comes; returns the
+    error event's message, if one came."""
+    body = {**body, "model": MODEL, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                return str(event["error"])
+            chunks.extend(choice["text"] for choice in event["choices"])
+    return None
+
+
 def _kill_replica(replica_id: str) -> None:
     """Kill an engine replica's process, as a crash would (Serve then starts another)."""
     import ray
@@ -91,3 +107,30 @@ def test_requests_on_a_killed_engine_replica_are_answered_by_the_other(url: str)
 
     assert answers == expected  # every one answered, token-exact, none failed
     assert victim not in {r["replica_id"] for r in _replicas(url)}
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 1.0, "seed": 7, "frequency_penalty": 0.5}],
+    ids=["greedy", "seeded"],
+)
+def test_a_stream_whose_engine_dies_goes_on_token_exact(url: str, sampling: dict[str, Any]) -> None:
+    """The stream's replica is killed once some of its tokens reached the client: the client
+    sees one stream, no error event, and the text of the same request undisturbed."""
+    body = {"prompt": "a stream that outlives its engine:", "max_tokens": 60, **sampling}
+    body["ignore_eos"] = True
+    expected: list[str] = []
+    assert _stream(url, body, expected) is None
+    chunks: list[str] = []
+    errors: list[str | None] = []
+    reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(chunks) < 10:
+        assert time.monotonic() < deadline and reader.is_alive(), chunks
+        time.sleep(0.02)
+    [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
+    _kill_replica(victim)
+    reader.join(TIMEOUT_S)
+    assert errors == [None]
+    assert "".join(chunks) == "".join(expected) and len(chunks) > 10

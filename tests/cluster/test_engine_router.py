@@ -114,3 +114,33 @@ def test_a_routed_call_is_counted_once_and_its_decision_never_sent(views: KVView
     assert sent.routing_hashes is None and sent.routing_decision is None
     assert (sent.request_id, sent.prompt_token_ids) == ("r", [1])
     assert request.routing_hashes == H and request.routing_decision is decision
+
+
+def test_a_request_moving_away_is_never_sent_back_to_a_replica_that_failed_it(
+    views: KVViews,
+) -> None:
+    """Replicas that failed a request are out of its choice (none left: no choice, the router
+    waits); the sender hears which replica the router took; neither travels with the request."""
+    import asyncio
+    import collections
+
+    views.by_replica = {"a": {H[0], H[1]}, "b": set()}
+    router = _router({"a": 0, "b": 0})
+    router.metrics = None
+    told: list[str] = []
+    request = GenerateRequest("r", [1], SamplingParams(), routing_hashes=H, on_routed=told.append)
+    request.failed_replica_ids.add("a")
+    context = SimpleNamespace(should_backoff=False)
+    pending = SimpleNamespace(args=[request], kwargs={}, routing_context=context)
+    replica_id = collections.namedtuple("replica_id", "unique_id")  # hashable, as Serve's
+    replicas = [SimpleNamespace(replica_id=replica_id(name)) for name in "ab"]
+    router.apply_locality_routing = lambda pending: []  # type: ignore[method-assign]
+    ranked = asyncio.run(router.choose_replicas(replicas, pending))  # type: ignore[arg-type]
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [["b"]]
+    request.failed_replica_ids.add("b")
+    assert asyncio.run(router.choose_replicas(replicas, pending)) == []  # type: ignore[arg-type]
+    assert pending.routing_context.should_backoff  # Serve's router waits, never spins
+    router._record_decision(pending, "b")  # type: ignore[arg-type]
+    assert told == ["b"]
+    sent = pickle.loads(pickle.dumps(request))
+    assert sent.failed_replica_ids == set() and sent.on_routed is None

@@ -166,15 +166,19 @@ def test_every_failure_kind_has_a_status() -> None:
 
 class _FakeHandle:
     """A DeploymentHandle whose unary `generate` calls answer `answers` in turn, the last again
-    and again (an exception is raised); the output channel brings nothing."""
+    and again (an exception is raised); the output channel brings nothing. Its router names a
+    replica for each call, as `EngineRequestRouter` does, unless none is `live`."""
 
-    def __init__(self, *answers: Any) -> None:
+    def __init__(self, *answers: Any, live: bool = True) -> None:
         self.answers = list(answers)
         self.generate = self
         self.num_calls = 0
+        self.live = live
 
     def remote(self, request: GenerateRequest) -> _FakeResponse:
         self.num_calls += 1
+        if self.live and request.on_routed is not None:
+            request.on_routed("r1")
         return _FakeResponse(self.answers.pop(0) if len(self.answers) > 1 else self.answers[0])
 
 
@@ -251,6 +255,7 @@ def test_a_request_its_engine_failed_before_any_output_is_sent_again(
     its output reached the client: the request goes again (up to the limit), and the client
     sees only the answer; past the limit it sees the failure; its own failures are final."""
     monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    monkeypatch.setattr(serve_engine_client, "MIGRATION_ROUTE_S", 0.05)
     died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited")
     aborted = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.ABORTED, "aborted"))
     delta = ChoiceDelta("cmpl-7", 0, "", [5], None, "length", None)
@@ -272,6 +277,12 @@ def test_a_request_its_engine_failed_before_any_output_is_sent_again(
     handle = _FakeHandle(timed_out, answer)
     outputs = _outputs(handle, caplog, unary, migration_limit=3)
     assert handle.num_calls == 1 and outputs[-1].error == timed_out.error
+    # No live replica to move to (the only one died; the router places nothing): the failure
+    # is the answer.
+    handle = _FakeHandle(died, answer, live=False)
+    outputs = _outputs(handle, caplog, unary, migration_limit=3)
+    assert handle.num_calls == 2 and outputs[-1].error is not None
+    assert outputs[-1].error.kind is FailureKind.DEAD and "no live engine replica" in caplog.text
 
 
 @pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
