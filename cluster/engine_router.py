@@ -180,6 +180,9 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             target = addressed_replica(pending)
             if target not in (None, unique_id) and target in self._live_replica_ids:
                 continue  # addressed to another replica, which is there to take it
+            request = _generate_request(pending)
+            if request is not None and unique_id in request.failed_replica_ids:
+                continue  # moving away from that replica
             del pending_calls[position]  # by position: no __eq__ scan
             self._cancel_routing_task_for_pending_request(pending)
             self._record_queue_wait_time(pending)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from pagedray.cluster.serve_engine_client import MIGRATED_FAILURES
+from pagedray.engine.request_errors import MIGRATED_FAILURES
 
 TAG_KEYS = ("model_name",)
 # vLLM's buckets (seconds); inter-token latency and step time start lower, for fast GPUs.
@@ -236,8 +236,8 @@ class IngressMetrics:
         ).set_default_tags(tags)
         self.request_migrations = Counter(
             "pagedray_request_migrations",
-            "Engine requests sent to an engine again after theirs failed them before any output "
-            "reached the client, by the failure's kind (dead, aborted).",
+            "Engine requests moved to another engine replica after theirs failed them (a stream "
+            "resumed from the tokens its client has), by the failure's kind (dead, aborted).",
             TAG_KEYS + ("reason",),
         ).set_default_tags(tags)
         if export_zeros:

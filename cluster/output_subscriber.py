@@ -72,7 +72,7 @@ class OutputSubscriber:
             batches = streaming.subscribe.remote(self.channel_id, **address)
             try:
                 async for pickled in batches:  # a list[RequestStepOutput] per engine step
-                    self._deliver(pickle.loads(pickled))
+                    self._deliver(pickle.loads(pickled), replica_id)
             except asyncio.CancelledError:
                 batches.cancel()
                 task = asyncio.current_task()
@@ -87,10 +87,12 @@ class OutputSubscriber:
         if self._subscriptions.get(replica_id) is asyncio.current_task():
             del self._subscriptions[replica_id]
 
-    def _deliver(self, outputs: list[RequestStepOutput]) -> None:
+    def _deliver(self, outputs: list[RequestStepOutput], replica_id: str) -> None:
+        """Hand out a batch of `replica_id`'s; an output of a request that has since moved to
+        another replica (its engine failed it) is late, and dropped."""
         for output in outputs:
             deliver = self._deliveries.get(output.request_id)
-            if deliver is not None:
+            if deliver is not None and self._replica_of.get(output.request_id) == replica_id:
                 deliver(output)
                 if output.finished:  # nothing more comes for it
                     self.unregister(output.request_id)

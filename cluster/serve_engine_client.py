@@ -31,6 +31,7 @@ from pagedray.cluster import kv_views
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.output_subscriber import OutputSubscriber
 from pagedray.engine.engine_client import EngineLimits, Health
+from pagedray.engine.request_errors import MIGRATED_FAILURES
 from pagedray.engine.step_outputs import merge_step_outputs
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
@@ -40,16 +41,13 @@ logger = logging.getLogger("ray.serve.pagedray.ingress")
 CHANNEL_LAG_S = 10.0
 # On the queue of a streamed request: its call ended (its finish may still be on the channel).
 _CALL_ENDED = object()
-# Times a request is sent again after its engine failed it (before any output reached the
-# client), by default, and the first pause before it is (doubling with each).
+# Times a request is sent again after its engine failed it, by default, and the first pause
+# before it is (doubling with each).
 DEFAULT_MIGRATION_LIMIT = 3
 MIGRATION_PAUSE_S = 0.25
 # Seconds the router may take to place a request sent again before there is taken to be no
 # live replica (it places one in milliseconds when there is).
-MIGRATION_ROUTE_S = 1.0
-# Failures of the engine, not of the request: the replica or its engine died, or it aborted the
-# request from outside (its output channel closed, a drain).
-MIGRATED_FAILURES = (FailureKind.DEAD, FailureKind.ABORTED)
+MIGRATION_ROUTE_S = 2.0
 
 
 class ServeEngineClient:
@@ -113,8 +111,10 @@ class ServeEngineClient:
             routed.clear()
             call = self.engine.generate.remote(request)
             try:
-                if answer is not None and not await _routed_in_time(routed, request_id):
-                    break  # no live replica: the failure stands
+                if answer is not None:  # sent again: counted once the router places it
+                    if not await _routed_in_time(routed, request_id):
+                        break  # no live replica: the failure stands
+                    self._count_migration(answer)
                 try:
                     answer = await call
                 except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
@@ -163,17 +163,21 @@ class ServeEngineClient:
             subscriber.register(request_id, queue.put_nowait)
             call = self.engine.generate.remote(request)
             watcher = asyncio.create_task(_watch(call, queue, request_id, subscriber))
+            lag_timer: asyncio.TimerHandle | None = None
             try:
-                if failure is not None and not await _routed_in_time(routed, request_id):
-                    yield failure  # no live replica: the failure stands
-                    return
+                if failure is not None:  # sent again: counted once the router places it
+                    if not await _routed_in_time(routed, request_id):
+                        call.cancel()  # before the caller hears: it must not run meanwhile
+                        yield failure  # no live replica: the failure stands
+                        return
+                    self._count_migration(failure)
                 failure = None
                 held = None
                 while True:
                     item = held if held is not None else await queue.get()
                     held = None
                     if item is _CALL_ENDED:  # its finish may still be coming through the channel
-                        loop.call_later(CHANNEL_LAG_S, channel_lost)
+                        lag_timer = loop.call_later(CHANNEL_LAG_S, channel_lost)
                         continue
                     if item.error is not None:
                         if delivered is not None and request.sampling_params.n != 1:
@@ -189,6 +193,8 @@ class ServeEngineClient:
                         return
             finally:
                 watcher.cancel()
+                if lag_timer is not None:
+                    lag_timer.cancel()
                 # NOTE: cancelling a handle call cancels the replica's call, which aborts the
                 # request there (a no-op for a call that ended).
                 call.cancel()
@@ -217,10 +223,13 @@ class ServeEngineClient:
             return False
         reason = failure.kind.value
         logger.warning("request %s: engine failed it (%s); sending it again", request_id, reason)
-        if self.on_migration is not None:
-            self.on_migration(reason)
         await asyncio.sleep(MIGRATION_PAUSE_S * 2**attempt)
         return True
+
+    def _count_migration(self, failure: RequestStepOutput) -> None:
+        """A request sent again has a replica: it moved, for its engine's failure."""
+        if self.on_migration is not None and failure.error is not None:
+            self.on_migration(failure.error.kind.value)
 
     def _add_routing_hashes(self, request: GenerateRequest) -> None:
         """With cache-aware routing and a choice of replicas, the prompt's block hashes, for the

@@ -273,7 +273,7 @@ class Scheduler:
             new_logprobs=None,
             finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=_prompt_hit(req),
             error=error,
         )
 
@@ -302,7 +302,7 @@ class Scheduler:
             new_logprobs=logprobs,
             finish_reason=status.finish_reason if status else None,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=_prompt_hit(req),
             prompt_logprobs=req.prompt_logprobs if first_output else None,
         )
 
@@ -407,3 +407,9 @@ class Scheduler:
             "peak_num_running": self.peak_num_running,
             "peak_kv_usage": self.peak_kv_usage,
         }
+
+
+def _prompt_hit(req: Request) -> int:
+    """Prompt tokens the prefix cache served (of a resumed request, whose hit may cover its
+    resumed output too, only the prompt's)."""
+    return min(max(req.num_cached_tokens, 0), req.num_prompt_tokens)

@@ -178,8 +178,8 @@ class EngineConfig(BaseModel):
     migration_limit: int = Field(
         3,
         ge=0,
-        description="served: times a request is sent to another engine when its own fails it "
-        "before any output reached the client (0: never)",
+        description="served: times a request moves to another engine when its own fails it "
+        "(a stream resumes from its tokens; 0: never)",
     )
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"

@@ -16,6 +16,12 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0
 
 
+# Failures of an engine, not of its request: the replica or its engine died, or the engine
+# aborted the request from outside (its output channel closed). Such a request may move to
+# another engine (cluster/serve_engine_client.py), and its move is counted by this kind.
+MIGRATED_FAILURES = (FailureKind.DEAD, FailureKind.ABORTED)
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full: the request was refused (or gave way), try again later."""
 

@@ -182,9 +182,9 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     (
         "Requests migrated to another engine",
         "reqps",
-        "Requests sent to a live engine replica again after theirs failed them before any "
-        "output reached the client, by the failure: dead (the replica or its engine died) or "
-        "aborted (from outside: a drain, a lost output channel).",
+        "Requests moved to another engine replica after theirs failed them (a stream resumes "
+        "from the tokens its client has), by the failure: dead (the replica or its engine "
+        "died) or aborted (from outside: a lost output channel).",
         [
             (
                 f"sum by (model_name, reason) ({_rate('ray_pagedray_request_migrations_total')})",

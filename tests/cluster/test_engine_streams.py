@@ -100,7 +100,7 @@ def test_a_stop_string_in_outputs_queued_before_the_stream_is_read_ends_it(
         opening = await _opening(streams)
         assert request.channel_id == client.subscriber.channel_id
         delta = ChoiceDelta("cmpl-1", 0, "", token_ids, None, None, None)
-        client.subscriber._deliver([RequestStepOutput("cmpl-1", [delta])])  # a channel batch
+        client.subscriber._deliver([RequestStepOutput("cmpl-1", [delta])], "r1")  # a batch
         assert await opening is None
         return [output async for _, output in streams.merged()]
 
@@ -146,14 +146,14 @@ def test_outputs_queued_behind_a_slow_reader_leave_as_one_with_the_same_text(
         ]
         # Every step's output lands before the reader first runs, or only the first does.
         for step in steps if behind else steps[:1]:
-            subscriber._deliver([step])
+            subscriber._deliver([step], "r1")
         assert await opening is None
         # NOTE: read until the finished output only: the stand-in's call never ends by itself.
         outputs: list[RequestStepOutput] = []
         merged = streams.merged()
         while not outputs or not outputs[-1].finished:
             if not behind and outputs:  # one step, then the reader takes it
-                subscriber._deliver([steps[len(outputs)]])
+                subscriber._deliver([steps[len(outputs)]], "r1")
             outputs.append((await anext(merged))[1])
         await merged.aclose()
         return outputs
@@ -186,9 +186,12 @@ def test_a_stream_whose_replica_dies_before_its_first_output_goes_to_another(
         for _ in range(20):  # the failed call, the pause, the call sent again
             await asyncio.sleep(0.002)
         assert client.subscriber._replica_of == {"cmpl-m": "r1"}
+        # A late batch from the replica that died is not the stream's any more.
+        client.subscriber._deliver([_token_output("cmpl-m", 999, "length")], "r0")
         for i, token in enumerate(token_ids):
             last = i == len(token_ids) - 1
-            client.subscriber._deliver([_token_output("cmpl-m", token, "length" if last else None)])
+            step = _token_output("cmpl-m", token, "length" if last else None)
+            client.subscriber._deliver([step], "r1")
         assert await opening is None
         return [output async for _, output in streams.merged()]
 

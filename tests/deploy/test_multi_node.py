@@ -1,6 +1,7 @@
-"""A node of a multi-node Ray dies under load (issue P8): one engine per node, streams on both;
-the dead node's streams fail fast with 503, the other node's never notice, /health says so at
-once, and the engine is replaced once a node with room joins. The cluster is simulated
+"""A node of a multi-node Ray dies under load (issues P8, P14): one engine per node, streams on
+both; the dead node's streams move to the other node's engine and finish whole, the other
+node's never notice, /health says so at once, and the engine is replaced once a node with room
+joins. The cluster is simulated
 (`ray.cluster_utils.Cluster`: several raylets on this machine) in a process of its own, run
 from `_multi_node_scenario.py`; every process it started is gone afterwards.
 """
@@ -19,12 +20,15 @@ from _subprocesses import descendants, kill_all, start_time
 
 SCENARIO = Path(__file__).with_name("_multi_node_scenario.py")
 TIMEOUT_S = 480.0
-# From the kill to the end of a stream that was on the dead node (measured: 1.6 s); Ray's own
-# node-death timeouts are 30 s and more, so this still tells a fast failure from a slow one.
+# From the kill to /health's 503; Ray's own node-death timeouts are 30 s and more, so this
+# still tells a fast failure from a slow one. (Before requests moved, the dead node's streams
+# ended with a 503 1.6 s after the kill.)
 FAIL_FAST_S = 20.0
 
 
-def test_a_dead_node_fails_its_streams_fast_and_its_engine_is_replaced(tiny_llama: str) -> None:
+def test_a_dead_nodes_streams_move_to_the_other_engine_and_its_engine_is_replaced(
+    tiny_llama: str,
+) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pdr-mn-", dir="/tmp"))
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(workdir), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -56,12 +60,10 @@ def test_a_dead_node_fails_its_streams_fast_and_its_engine_is_replaced(tiny_llam
     assert report["engine_nodes"] == report["worker_nodes"]
     streams = report["streams"]
     on_victim = report["running_at_kill"][report["victim_replica"]]
-    failed = [s for s in streams if s["tokens"] != 300]
     whole = [s for s in streams if s["tokens"] == 300 and s["error_code"] is None]
-    # The dead node's streams: failed fast, with 503; the others: whole.
-    assert len(failed) == on_victim >= 1, streams
-    assert all(s["error_code"] == 503 and s["ended"] < FAIL_FAST_S for s in failed), streams
-    assert len(whole) == len(streams) - on_victim, streams
+    # The dead node held streams; they moved to the other engine: every stream is whole, its
+    # usage counted once.
+    assert on_victim >= 1 and len(whole) == len(streams), streams
     assert report["health_503_after_s"] < FAIL_FAST_S
     # Replaced on the node that joined; serving again.
     assert len(report["engine_nodes_after"]) == 2

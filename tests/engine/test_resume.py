@@ -46,7 +46,9 @@ CASES = {
 
 
 def _engine(model: str) -> tuple[AsyncEngine, Any]:
-    config = EngineConfig(model=model, num_kv_blocks=64, num_threads=1)
+    # No prefix caching: a resumed request computes its whole context again, as on an engine
+    # that never saw it.
+    config = EngineConfig(model=model, num_kv_blocks=64, num_threads=1, enable_prefix_caching=False)
     engine, _executor, tokenizer, _validator = build_engine(config)
     return AsyncEngine(engine, OutputProcessor(tokenizer), stuck_after_s=5.0), tokenizer
 
