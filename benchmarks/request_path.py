@@ -6,7 +6,8 @@ sends one warm-up request, then records two windows of the same length in every 
 idle, one around a single non-streamed chat completion through the `openai` SDK. A hop is a call
 from one of the project's files into another's function (or from the framework into ours); what
 the request window saw and the idle one did not is the request's path. It prints the hops by
-process, the files they touch, and the totals:
+process (each distinct caller -> callee pair of functions, and each distinct pair of files), the
+files they touch, and the totals:
 
     .venv/bin/python benchmarks/request_path.py            # the default model
     .venv/bin/python benchmarks/request_path.py --list     # and every hop, caller -> callee
@@ -94,15 +95,20 @@ def main() -> int:
             names = {pid: process_name(pid) for pid in request}
     finally:
         shutil.rmtree(control, ignore_errors=True)
-    total_hops, files_by_process = 0, {}
+    total_hops, total_file_hops, files_by_process = 0, 0, {}
     for pid, edges in sorted(request.items()):
         path = sorted(edges - idle.get(pid, set()))
         if not path:
             continue
         files = {side.split(":", 1)[0] for edge in path for side in edge} - {"(framework)"}
+        file_hops = {tuple(side.split(":", 1)[0] for side in edge) for edge in path}
         files_by_process[pid] = files
         total_hops += len(path)
-        print(f"{names[pid]} (pid {pid}): {len(path)} hops through {len(files)} files")
+        total_file_hops += len(file_hops)
+        print(
+            f"{names[pid]} (pid {pid}): {len(path)} hops (function to function), "
+            f"{len(file_hops)} from file to file, through {len(files)} files"
+        )
         if args.list:
             by_caller: dict[str, list[str]] = defaultdict(list)
             for caller, callee in path:
@@ -113,7 +119,7 @@ def main() -> int:
                     print(f"      -> {callee}")
     all_files = set().union(*files_by_process.values()) if files_by_process else set()
     print(
-        f"total: {total_hops} hops, {len(all_files)} files, "
+        f"total: {total_hops} hops, {total_file_hops} from file to file, {len(all_files)} files, "
         f"{len(files_by_process)} processes with hops"
     )
     return 0
