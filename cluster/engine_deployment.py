@@ -35,6 +35,9 @@ from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_
 
 # Serve's default of 5 concurrent requests per replica would starve continuous batching.
 MAX_ONGOING_REQUESTS = 4096
+# Seconds Serve waits for a health check before it replaces the replica; a replica that holds
+# requests but stops answering loses them sooner (cluster/replica_watch.py).
+HEALTH_CHECK_TIMEOUT_S = 30.0
 # Serve asks each replica this often whether its engine steps; a dead one is replaced then.
 DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 # Draining: a replica being removed (scale-down, rolling update, shutdown) gets no new requests,
@@ -58,7 +61,7 @@ call_logger = logging.getLogger("ray.serve.pagedray.engine")
     name="PagedRayEngine",
     max_ongoing_requests=MAX_ONGOING_REQUESTS,
     health_check_period_s=DEFAULT_HEALTH_CHECK_PERIOD_S,
-    health_check_timeout_s=30.0,
+    health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     # The ingress writes the one access line per HTTP request; Serve's per-call line here (each
     # generate, health and stats call) is off, and `generate` logs its own at DEBUG. NOTE: being
     # set, it is not replaced by an application-level `logging_config` (Serve applies that only
@@ -210,6 +213,15 @@ class EngineDeployment:
         self.engine.start()
         self._publish_kv_deltas()
         return {**self.engine.health(), "replica_id": self.replica_id}
+
+    async def liveness(self, replica_id: str) -> str | None:
+        """Why this engine makes no progress (`AsyncEngine.stalled`), or None: an ingress's
+        probe of a replica that holds its requests (cluster/replica_watch.py), addressed to
+        `replica_id` as `subscribe` is. Answered on the event loop, so a wedged or stopped
+        process does not answer at all."""
+        if replica_id != self.replica_id:
+            raise RuntimeError(f"engine replica {replica_id} is gone")
+        return self.engine.stalled()
 
     async def check_health(self) -> None:
         """Serve's health hook: raising marks this replica unhealthy (Serve then replaces it)."""

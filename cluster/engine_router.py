@@ -30,10 +30,11 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-# NOTE: the module, not its `KV_VIEWS`: Serve pickles this router's module by value into each
+# NOTE: the modules, not their globals: Serve pickles this router's module by value into each
 # process that routes, and a global bound here would travel as a copy of the ingress's views
-# instead of naming them; a module is pickled by name, so `kv_views.KV_VIEWS` is this process's.
-from pagedray.cluster import kv_views
+# instead of naming them; a module is pickled by name, so `kv_views.KV_VIEWS` is this process's
+# (and `replica_watch.UNHEALTHY_REPLICA_IDS` likewise).
+from pagedray.cluster import kv_views, replica_watch
 from pagedray.cluster.metrics import RouterMetrics
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.engine.wire import GenerateRequest
@@ -65,7 +66,8 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     """The replicas caching most of a request's prefix (cache-aware, see the module), else two
     random replicas (same node first), the less loaded taken; a call with `replica_id=...` goes
     to that replica, or, if it is gone, to any (which then refuses it, so that it fails at once
-    instead of waiting); a request that replicas failed goes to none of them. Cache-aware
+    instead of waiting); a request that replicas failed goes to none of them, nor, while
+    another is there, to a replica found to make no progress (cluster/replica_watch.py). Cache-aware
     ranking ignores locality: a cached prefix saves more than a hop."""
 
     _live_replica_ids: frozenset[str] = frozenset()
@@ -107,6 +109,10 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             if pending_request is not None and not addressed:
                 pending_request.routing_context.should_backoff = True  # never a busy loop
             return [addressed or candidate_replicas[:1]]
+        # A replica that makes no progress is routed around while another is there.
+        unhealthy = replica_watch.UNHEALTHY_REPLICA_IDS
+        healthy = [r for r in candidate_replicas if r.replica_id.unique_id not in unhealthy]
+        candidate_replicas = healthy or candidate_replicas
         request = _generate_request(pending_request)
         if request is not None and request.failed_replica_ids:  # a request moving elsewhere
             failed = request.failed_replica_ids

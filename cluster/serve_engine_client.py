@@ -14,7 +14,9 @@ A request whose engine fails it (the replica died, the engine died or aborted it
 is sent again, to a live replica, up to `migration_limit` times: before any of its output
 reached the client, whole; after, a streamed request of one choice resumes from the tokens the
 client has (`GenerateRequest.output_token_ids`), which the new engine computes as context and
-samples on from, so that a greedy or seeded request's stream goes on token for token.
+samples on from, so that a greedy or seeded request's stream goes on token for token. A replica
+that holds requests of ours but makes no progress (stopped, wedged, stalled) is found within
+seconds (`ReplicaWatch`), and its requests move as from a dead one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedray.cluster import kv_views
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.output_subscriber import OutputSubscriber
+from pagedray.cluster.replica_watch import ReplicaWatch
 from pagedray.engine.engine_client import EngineLimits, Health
 from pagedray.engine.request_errors import MIGRATED_FAILURES
 from pagedray.engine.step_outputs import merge_step_outputs
@@ -65,6 +68,7 @@ class ServeEngineClient:
         self.engine = engine
         self.control = control
         self.subscriber = OutputSubscriber(engine)
+        self.watch = ReplicaWatch(engine)
         self.migration_limit = migration_limit
         self.on_migration = on_migration
 
@@ -97,9 +101,15 @@ class ServeEngineClient:
         loop = asyncio.get_running_loop()
         routed = asyncio.Event()
         placed: list[str] = []  # the replica of each attempt, as the router names it
+        abandoned: asyncio.Future[RequestStepOutput] = loop.create_future()
+
+        def abandon(why: str) -> None:  # its replica makes no progress
+            if not abandoned.done():
+                abandoned.set_result(broken_call(request_id, ReplicaStalledError(why)))
 
         def place(replica_id: str) -> None:
             placed.append(replica_id)
+            self.watch.hold(replica_id, request_id, abandon)
             routed.set()
 
         def on_routed(replica_id: str) -> None:  # on the router's thread
@@ -109,18 +119,18 @@ class ServeEngineClient:
         answer = None
         for attempt in itertools.count():
             routed.clear()
+            abandoned = loop.create_future()
             call = self.engine.generate.remote(request)
             try:
                 if answer is not None:  # sent again: counted once the router places it
                     if not await _routed_in_time(routed, request_id):
                         break  # no live replica: the failure stands
                     self._count_migration(answer)
-                try:
-                    answer = await call
-                except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
-                    answer = broken_call(request_id, exc)
+                answer = await _answer_unless_abandoned(call, abandoned, request_id)
             finally:
                 call.cancel()  # NOTE: when cancelled here, aborts the request in the engine
+                if placed:
+                    self.watch.release(placed[-1], request_id)
             if not await self._may_migrate(request_id, answer.error, attempt):
                 break
             request.failed_replica_ids.update(placed[-1:])  # it moves to another
@@ -144,6 +154,7 @@ class ServeEngineClient:
         def read_channel(replica_id: str) -> None:
             subscriber.accepted(request_id, replica_id)
             placed.append(replica_id)
+            self.watch.hold(replica_id, request_id, abandon)
             routed.set()
 
         def on_routed(replica_id: str) -> None:  # on the router's thread
@@ -153,6 +164,9 @@ class ServeEngineClient:
 
         def channel_lost() -> None:
             queue.put_nowait(broken_call(request_id, ChannelLostError(request_id)))
+
+        def abandon(why: str) -> None:  # its replica makes no progress
+            queue.put_nowait(broken_call(request_id, ReplicaStalledError(why)))
 
         resumed_from = list(request.output_token_ids)
         delivered: list[int] | None = None  # the tokens that reached the caller, once any did
@@ -199,6 +213,8 @@ class ServeEngineClient:
                 # request there (a no-op for a call that ended).
                 call.cancel()
                 subscriber.unregister(request_id)
+                if placed:
+                    self.watch.release(placed[-1], request_id)
             if not await self._may_migrate(request_id, failure.error, attempt):
                 yield failure
                 return
@@ -246,12 +262,39 @@ class ChannelLostError(RuntimeError):
     """A streamed request's call ended, but its finish never came through the output channel."""
 
 
+class ReplicaStalledError(RuntimeError):
+    """The replica holding a request makes no progress (`ReplicaWatch`): the request leaves it."""
+
+
 def broken_call(request_id: str, exc: BaseException) -> RequestStepOutput:
     """A call that failed (the replica died, the channel lost the request) as the request's
     failure: the client is told only that, with the request id; the cause goes to the log."""
     logger.warning("request %s: engine call failed: %r", request_id, exc)
     message = f"engine unavailable (request {request_id})"
     return RequestStepOutput(request_id, error=RequestFailure(FailureKind.DEAD, message))
+
+
+async def _answer_unless_abandoned(
+    call: Any, abandoned: asyncio.Future[RequestStepOutput], request_id: str
+) -> RequestStepOutput:
+    """The call's answer (a failed call as the request's failure), or, should its replica be
+    found to make no progress first, the failure `abandoned` brings."""
+    answering = asyncio.ensure_future(_answer_of(call))
+    try:
+        await asyncio.wait({answering, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not answering.done():
+            answering.cancel()
+    if answering.done() and not answering.cancelled():
+        try:
+            return answering.result()
+        except Exception as exc:  # noqa: BLE001 - the replica died, or the call failed
+            return broken_call(request_id, exc)
+    return abandoned.result()
+
+
+async def _answer_of(call: Any) -> RequestStepOutput:
+    return await call
 
 
 async def _routed_in_time(routed: asyncio.Event, request_id: str) -> bool:

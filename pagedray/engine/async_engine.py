@@ -37,6 +37,10 @@ from pagedray.workers.compute_thread import compute_thread
 
 # A step running longer than this marks the engine unhealthy (a hung collective, a dead worker).
 DEFAULT_STUCK_AFTER_S = 120.0
+# A step running this many times longer than the slowest recent one, and at least
+# `STALL_FLOOR_S`, is taken for a stall (`stalled`): its engine's requests move elsewhere.
+STALL_FACTOR = 10.0
+STALL_FLOOR_S = 10.0
 # NOTE: Ray drops a gauge not recorded again within two metrics export intervals (20 s by
 # default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
 METRICS_REFRESH_S = 1.0
@@ -152,6 +156,23 @@ class AsyncEngine:
             "error": error,
             "num_steps": self.core.num_steps,
         }
+
+    def stalled(self) -> str | None:
+        """Why the engine makes no progress while it has work, if it does not: its loop ended,
+        or the running step has run `STALL_FACTOR` times longer than the slowest recent one (a
+        hung collective, a wedged worker). Sooner than `health`'s `stuck_after_s`, which gets
+        the replica replaced: a stall only takes it out of routing (cluster/replica_watch.py)
+        until it steps again."""
+        if self._error is not None or (self._task is not None and self._task.done()):
+            return "engine loop stopped"
+        started = self._runner.started
+        if started is None:
+            return None
+        running_for = time.monotonic() - started
+        limit = min(self.stuck_after_s, max(STALL_FLOOR_S, STALL_FACTOR * self._runner.slowest_s))
+        if running_for > limit:
+            return f"engine step has been running for {running_for:.1f}s"
+        return None
 
     def stats(self) -> dict[str, Any]:
         if self._runner.started is None:

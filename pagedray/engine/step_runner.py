@@ -24,6 +24,10 @@ from pagedray.engine.step_metrics import StepRecord
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.outputs import EngineCoreOutput
 
+# Per step, how much of the slowest recent step's time `slowest_s` keeps: it forgets a long
+# prefill over a few hundred steps, not at once.
+SLOWEST_DECAY = 0.99
+
 
 @dataclass
 class FinishedStep:
@@ -45,6 +49,9 @@ class StepRunner:
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.started: float | None = None  # time.monotonic() at the start of the running step
+        # The slowest recent step's seconds (decaying): what a step that runs on far longer
+        # than is judged against (`AsyncEngine.stalled`).
+        self.slowest_s = 0.0
         self.streaming = True  # whether a request in flight streams (workers/cpu_threads.py)
         self.stopping = False  # the loop is going away: end the run after the running step
         # What a hand-over raised on the loop; it ends the run, and the loop raises it.
@@ -87,8 +94,9 @@ class StepRunner:
     def _step(self) -> FinishedStep:
         engine = self.engine
         num_steps = engine.num_steps
-        self.started = time.monotonic()
+        self.started = started = time.monotonic()
         outputs = engine.step(self.streaming)
+        self.slowest_s = max(time.monotonic() - started, self.slowest_s * SLOWEST_DECAY)
         record = None
         if engine.num_steps > num_steps:
             record = StepRecord.of(engine, sum(len(o.new_token_ids) for o in outputs))

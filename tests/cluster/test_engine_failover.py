@@ -3,13 +3,16 @@ again to a live replica, a non-streamed one whole, a stream resumed from the tok
 has, and the client gets the answer it would have had, token for token, in one stream.
 
 Two engine replicas whose steps sleep (so that requests are still running when one is killed);
-a replica's process is killed by Ray (no exit handler runs, as in a crash) while it holds them.
+a replica's process is killed by Ray (no exit handler runs, as in a crash) while it holds them,
+or stopped (SIGSTOP: alive, but answering nothing, as a wedged process).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import threading
 import time
 from typing import Any, Iterator
@@ -88,12 +91,23 @@ def _stream(url: str, body: dict[str, Any], chunks: list[str]) -> str | None:
     return None
 
 
+def _replica_actor(replica_id: str) -> Any:
+    import ray
+
+    return ray.get_actor(f"SERVE_REPLICA::{APP}#PagedRayEngine#{replica_id}", namespace="serve")
+
+
 def _kill_replica(replica_id: str) -> None:
     """Kill an engine replica's process, as a crash would (Serve then starts another)."""
     import ray
 
-    name = f"SERVE_REPLICA::{APP}#PagedRayEngine#{replica_id}"
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    ray.kill(_replica_actor(replica_id), no_restart=True)
+
+
+def _replica_pid(replica_id: str) -> int:
+    import ray
+
+    return ray.get(_replica_actor(replica_id).__ray_call__.remote(lambda _: os.getpid()))
 
 
 def test_requests_on_a_killed_engine_replica_are_answered_by_the_other(url: str) -> None:
@@ -145,3 +159,36 @@ def test_a_stream_whose_engine_dies_goes_on_token_exact(url: str, sampling: dict
     reader.join(TIMEOUT_S)
     assert errors == [None]
     assert "".join(chunks) == "".join(expected) and len(chunks) > 10
+
+
+def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: str) -> None:
+    """A replica that holds a stream stops answering (its process is stopped): the ingress's
+    probe finds it within seconds and the stream goes on, token-exact, on the other replica,
+    well before Serve's health check (30 s timeout) would replace it."""
+    from pagedray.cluster.engine_deployment import HEALTH_CHECK_TIMEOUT_S
+
+    body = {"prompt": "a stream whose engine stops:", "max_tokens": 60, "temperature": 0}
+    body["ignore_eos"] = True
+    _two_replicas_serving(url)
+    expected: list[str] = []
+    assert _stream(url, body, expected) is None
+    chunks: list[str] = []
+    errors: list[str | None] = []
+    reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(chunks) < 10:
+        assert time.monotonic() < deadline and reader.is_alive(), chunks
+        time.sleep(0.02)
+    [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
+    pid = _replica_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        reader.join(TIMEOUT_S)
+        moved_within_s = time.monotonic() - stopped_at
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert errors == [None]
+    assert "".join(chunks) == "".join(expected) and len(chunks) > 10
+    assert moved_within_s < HEALTH_CHECK_TIMEOUT_S

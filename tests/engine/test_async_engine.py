@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagedray.engine import async_engine as async_engine_module
 from pagedray.engine.admission import default_max_num_waiting
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
@@ -138,6 +139,40 @@ def test_stuck_step_is_unhealthy(tiny_llama: str) -> None:
         release.set()
         assert (await task)[-1].finished
         assert engine.health()["healthy"]
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_step_far_slower_than_the_recent_ones_is_a_stall(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`stalled` judges the running step against the slowest recent one (a hung collective
+    shows long before `stuck_after_s`), and clears once the engine steps again."""
+    monkeypatch.setattr(async_engine_module, "STALL_FLOOR_S", 0.3)
+
+    async def run() -> None:
+        engine, tokenizer = _engine(tiny_llama)
+        engine.stuck_after_s = 60.0
+        assert await _drain(engine.add_request("warm", tokenizer.encode("hi"), GREEDY))
+        assert engine._runner.slowest_s > 0 and engine.stalled() is None
+        hang, real_step = threading.Event(), engine.core.step
+
+        def hung_step(streaming: bool = True) -> list[Any]:
+            hang.wait(10)
+            return real_step(streaming)
+
+        engine.core.step = hung_step  # type: ignore[method-assign]
+        task = asyncio.create_task(_drain(engine.add_request("r", tokenizer.encode("hi"), GREEDY)))
+        await asyncio.sleep(0.1)
+        assert engine.stalled() is None  # not yet: within the floor
+        await asyncio.sleep(0.4)
+        assert "running for" in (engine.stalled() or "")
+        assert engine.health()["healthy"]  # not stuck: Serve keeps the replica
+        engine.core.step = real_step  # type: ignore[method-assign]
+        hang.set()
+        assert (await task)[-1].finished
+        assert engine.stalled() is None
         await engine.shutdown()
 
     asyncio.run(run())

@@ -1,0 +1,115 @@
+"""Honest replicas: an engine replica that holds requests of this ingress replica but makes no
+progress is taken out of routing within seconds, and its requests move to another.
+
+Serve's health check finds a wedged replica only after its timeout (30 s here), and until then
+routes requests to it. So while a replica holds requests of ours, this process probes it every
+`PROBE_PERIOD_S` with an addressed `liveness` call, answered on the replica's event loop:
+- no answer within `UNANSWERED_S`: the process is stopped (SIGSTOP), wedged, or its host gone;
+- an answer naming a stall: its step loop runs one step far longer than its recent ones (a
+  hung collective, a stuck worker; `AsyncEngine.stalled`).
+Either way the replica is marked unhealthy, which the router reads (`UNHEALTHY_REPLICA_IDS`)
+and routes around while another replica is there, and every request of ours on it fails as
+its engine's failure would (`FailureKind.DEAD`): the engine client sends it again, resumed
+from what its client has (cluster/serve_engine_client.py). Probing goes on; the first healthy
+answer puts the replica back in routing. A replica that died is not this module's: its calls
+fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from typing import Any, Callable
+
+from pagedray.engine.output_channel import REPLICA_ID_KWARG
+
+logger = logging.getLogger("ray.serve.pagedray.ingress")
+PROBE_PERIOD_S = 1.0
+# Seconds without an answer after which a replica is taken for wedged: well above the probe's
+# cost on a busy 2-core machine (milliseconds), well below Serve's health check timeout.
+UNANSWERED_S = 4.0
+
+# This process's unhealthy engine replicas, by id: written here, read by the router that Serve
+# builds in this process (see cluster/kv_views.py for why a module global).
+UNHEALTHY_REPLICA_IDS: set[str] = set()
+
+Fail = Callable[[str], None]  # fails one request, given why
+
+
+class ReplicaWatch:
+    """The requests of this ingress replica by engine replica, and a probe of each replica
+    while it holds any."""
+
+    def __init__(self, engine: Any, on_unhealthy: Callable[[str], None] | None = None) -> None:
+        """`engine`: a handle to the engine deployment (routed by `EngineRequestRouter`);
+        `on_unhealthy(replica_id)` is told of each replica found unhealthy (metrics)."""
+        self.engine = engine
+        self.on_unhealthy = on_unhealthy
+        self._requests: dict[str, dict[str, Fail]] = {}  # replica id -> request id -> fail
+        self._probes: dict[str, asyncio.Task[None]] = {}
+
+    def hold(self, replica_id: str, request_id: str, fail: Fail) -> None:
+        """`replica_id` holds `request_id` now; `fail(reason)` fails the request should the
+        replica be found unhealthy (it then moves). Called on the event loop."""
+        self._requests.setdefault(replica_id, {})[request_id] = fail
+        probe = self._probes.get(replica_id)
+        if probe is None or probe.done():
+            # NOTE: a context of its own: Serve cancels an HTTP request's calls with it.
+            probing = self._probe(replica_id)
+            probe = asyncio.get_running_loop().create_task(probing, context=contextvars.Context())
+            self._probes[replica_id] = probe
+
+    def release(self, replica_id: str, request_id: str) -> None:
+        held = self._requests.get(replica_id)
+        if held is not None:
+            held.pop(request_id, None)
+            if not held:
+                del self._requests[replica_id]
+
+    async def _probe(self, replica_id: str) -> None:
+        """Ask `replica_id` every `PROBE_PERIOD_S` while it holds requests of ours (and while
+        it is unhealthy, until it answers well again)."""
+        address = {REPLICA_ID_KWARG: replica_id}
+        try:
+            while replica_id in self._requests or replica_id in UNHEALTHY_REPLICA_IDS:
+                call = self.engine.liveness.remote(**address)
+                try:
+                    stall = await asyncio.wait_for(call, UNANSWERED_S)
+                except asyncio.TimeoutError:
+                    call.cancel()
+                    stall = f"no answer to a probe within {UNANSWERED_S:.0f}s"
+                except Exception as exc:  # noqa: BLE001 - it died: its calls fail on their own
+                    logger.info("engine replica %s: probe failed: %r", replica_id, exc)
+                    UNHEALTHY_REPLICA_IDS.discard(replica_id)
+                    return
+                if stall is None:
+                    self._healthy(replica_id)
+                else:
+                    self._unhealthy(replica_id, stall)
+                await asyncio.sleep(PROBE_PERIOD_S)
+        finally:
+            if self._probes.get(replica_id) is asyncio.current_task():
+                del self._probes[replica_id]
+
+    def _healthy(self, replica_id: str) -> None:
+        if replica_id in UNHEALTHY_REPLICA_IDS:
+            UNHEALTHY_REPLICA_IDS.discard(replica_id)
+            logger.warning("engine replica %s makes progress again: back in routing", replica_id)
+
+    def _unhealthy(self, replica_id: str, stall: str) -> None:
+        held = self._requests.pop(replica_id, {})
+        newly = replica_id not in UNHEALTHY_REPLICA_IDS
+        if newly:
+            UNHEALTHY_REPLICA_IDS.add(replica_id)
+            if self.on_unhealthy is not None:
+                self.on_unhealthy(replica_id)
+        if newly or held:
+            logger.warning(
+                "engine replica %s makes no progress (%s): out of routing, %d requests move",
+                replica_id,
+                stall,
+                len(held),
+            )
+        for request_id, fail in held.items():
+            fail(f"engine replica {replica_id} makes no progress ({stall}): {request_id}")
