@@ -81,7 +81,11 @@ class OpenAIIngress:
             kv_views.KV_VIEWS.attach(engine, engine_config.block_size)
         self.metrics = IngressMetrics(engine_config.served_name())
         client = ServeEngineClient(
-            engine, control, engine_config.migration_limit, self.metrics.record_migration
+            engine,
+            control,
+            engine_config.migration_limit,
+            self.metrics.record_migration,
+            engine_config.migration_max_seq_len,
         )
         self.server = OpenAIServer(
             client,

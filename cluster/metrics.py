@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from pagedray.cluster.replica_watch import STALLED_REASON
 from pagedray.engine.request_errors import MIGRATED_FAILURES
 
 TAG_KEYS = ("model_name",)
@@ -45,8 +46,12 @@ GRAMMAR_BUCKETS = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0
 # engine overloaded or dead).
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 HTTP_STATUSES = ("200", "400", "401", "404", "500", "503")
-# Why a request was sent to an engine again: the kind of its engine's failure.
-MIGRATION_REASONS = tuple(kind.value for kind in MIGRATED_FAILURES)
+# Why a request was sent to an engine again: the kind of its engine's failure, or its replica
+# making no progress (cluster/replica_watch.py).
+MIGRATION_REASONS = (*(kind.value for kind in MIGRATED_FAILURES), STALLED_REASON)
+# From a placement at the first try after the pause (0.25 s) to one after the last (2 s and
+# more).
+MIGRATION_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 
 
 class EngineMetrics:
@@ -237,8 +242,16 @@ class IngressMetrics:
         self.request_migrations = Counter(
             "pagedray_request_migrations",
             "Engine requests moved to another engine replica after theirs failed them (a stream "
-            "resumed from the tokens its client has), by the failure's kind (dead, aborted).",
+            "resumed from the tokens its client has), by the failure's kind (dead, aborted) or "
+            "stalled (its replica made no progress).",
             TAG_KEYS + ("reason",),
+        ).set_default_tags(tags)
+        self.request_migration_time = Histogram(
+            "pagedray_request_migration_seconds",
+            "Seconds from a request's engine failing it to the request's placement on another "
+            "engine replica.",
+            MIGRATION_BUCKETS,
+            TAG_KEYS,
         ).set_default_tags(tags)
         if export_zeros:
             _export_zeros(self.zero_series())
@@ -252,8 +265,10 @@ class IngressMetrics:
             for status in HTTP_STATUSES
         ] + [(self.request_migrations, {"reason": reason}) for reason in MIGRATION_REASONS]
 
-    def record_migration(self, reason: str) -> None:
+    def record_migration(self, reason: str, seconds: float) -> None:
+        """A request moved, for `reason`, placed `seconds` after its engine failed it."""
         self.request_migrations.inc(tags={"reason": reason})
+        self.request_migration_time.observe(seconds)
 
     def record(self, route: str, status: int, latency: float) -> None:
         """One answered request: its route template, HTTP status and seconds to answer."""

@@ -25,6 +25,8 @@ from typing import Any, Callable
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
+# The migration reason of a request that left such a replica (`pagedray_request_migrations`).
+STALLED_REASON = "stalled"
 PROBE_PERIOD_S = 1.0
 # Seconds without an answer after which a replica is taken for wedged: well above the probe's
 # cost on a busy 2-core machine (milliseconds), well below Serve's health check timeout.
@@ -78,7 +80,7 @@ class ReplicaWatch:
                     stall = await asyncio.wait_for(call, UNANSWERED_S)
                 except asyncio.TimeoutError:
                     call.cancel()
-                    stall = f"no answer to a probe within {UNANSWERED_S:.0f}s"
+                    stall = f"no answer to a probe within {UNANSWERED_S:g}s"
                 except Exception as exc:  # noqa: BLE001 - it died: its calls fail on their own
                     logger.info("engine replica %s: probe failed: %r", replica_id, exc)
                     UNHEALTHY_REPLICA_IDS.discard(replica_id)

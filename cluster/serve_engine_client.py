@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable
 
 from ray.serve.handle import DeploymentHandle
@@ -32,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 from pagedray.cluster import kv_views
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.output_subscriber import OutputSubscriber
-from pagedray.cluster.replica_watch import ReplicaWatch
+from pagedray.cluster.replica_watch import STALLED_REASON, ReplicaWatch
 from pagedray.engine.engine_client import EngineLimits, Health
 from pagedray.engine.request_errors import MIGRATED_FAILURES
 from pagedray.engine.step_outputs import merge_step_outputs
@@ -61,15 +63,19 @@ class ServeEngineClient:
         engine: DeploymentHandle,
         control: EngineControl,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-        on_migration: Callable[[str], None] | None = None,
+        on_migration: Callable[[str, float], None] | None = None,
+        migration_max_seq_len: int | None = None,
     ) -> None:
         """`migration_limit`: how many times one request is sent again after its engine
-        failed it; `on_migration(reason)` counts each time."""
+        failed it; `on_migration(reason, seconds)` counts each time, with the seconds from the
+        failure to the request's placement; `migration_max_seq_len`: a request with more
+        tokens (prompt and delivered) does not move."""
         self.engine = engine
         self.control = control
         self.subscriber = OutputSubscriber(engine)
         self.watch = ReplicaWatch(engine)
         self.migration_limit = migration_limit
+        self.migration_max_seq_len = migration_max_seq_len
         self.on_migration = on_migration
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
@@ -101,9 +107,11 @@ class ServeEngineClient:
         loop = asyncio.get_running_loop()
         routed = asyncio.Event()
         placed: list[str] = []  # the replica of each attempt, as the router names it
+        stalled_on: set[str] = set()  # the replicas found to make no progress with it
         abandoned: asyncio.Future[RequestStepOutput] = loop.create_future()
 
         def abandon(why: str) -> None:  # its replica makes no progress
+            stalled_on.update(placed[-1:])
             if not abandoned.done():
                 abandoned.set_result(broken_call(request_id, ReplicaStalledError(why)))
 
@@ -117,21 +125,24 @@ class ServeEngineClient:
 
         request.on_routed = on_routed
         answer = None
+        move: _Move | None = None
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         for attempt in itertools.count():
             routed.clear()
             abandoned = loop.create_future()
             call = self.engine.generate.remote(request)
             try:
-                if answer is not None:  # sent again: counted once the router places it
+                if move is not None:  # sent again: counted once the router places it
                     if not await _routed_in_time(routed, request_id):
                         break  # no live replica: the failure stands
-                    self._count_migration(answer)
+                    self._count_migration(move)
                 answer = await _answer_unless_abandoned(call, abandoned, request_id)
             finally:
                 call.cancel()  # NOTE: when cancelled here, aborts the request in the engine
                 if placed:
                     self.watch.release(placed[-1], request_id)
-            if not await self._may_migrate(request_id, answer.error, attempt):
+            move = _Move.of(answer.error, stalled=bool(stalled_on & set(placed[-1:])))
+            if not await self._may_migrate(request_id, answer.error, attempt, num_tokens):
                 break
             request.failed_replica_ids.update(placed[-1:])  # it moves to another
         assert answer is not None
@@ -165,12 +176,16 @@ class ServeEngineClient:
         def channel_lost() -> None:
             queue.put_nowait(broken_call(request_id, ChannelLostError(request_id)))
 
+        stalled_on: set[str] = set()  # the replicas found to make no progress with it
+
         def abandon(why: str) -> None:  # its replica makes no progress
+            stalled_on.update(placed[-1:])
             queue.put_nowait(broken_call(request_id, ReplicaStalledError(why)))
 
         resumed_from = list(request.output_token_ids)
         delivered: list[int] | None = None  # the tokens that reached the caller, once any did
         failure: RequestStepOutput | None = None
+        move: _Move | None = None
         for attempt in itertools.count():
             routed.clear()
             queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -179,12 +194,12 @@ class ServeEngineClient:
             watcher = asyncio.create_task(_watch(call, queue, request_id, subscriber))
             lag_timer: asyncio.TimerHandle | None = None
             try:
-                if failure is not None:  # sent again: counted once the router places it
+                if failure is not None and move is not None:  # sent again: counted once placed
                     if not await _routed_in_time(routed, request_id):
                         call.cancel()  # before the caller hears: it must not run meanwhile
                         yield failure  # no live replica: the failure stands
                         return
-                    self._count_migration(failure)
+                    self._count_migration(move)
                 failure = None
                 held = None
                 while True:
@@ -215,7 +230,9 @@ class ServeEngineClient:
                 subscriber.unregister(request_id)
                 if placed:
                     self.watch.release(placed[-1], request_id)
-            if not await self._may_migrate(request_id, failure.error, attempt):
+            move = _Move.of(failure.error, stalled=bool(stalled_on & set(placed[-1:])))
+            num_tokens = len(request.prompt_token_ids) + len(resumed_from) + len(delivered or [])
+            if not await self._may_migrate(request_id, failure.error, attempt, num_tokens):
                 yield failure
                 return
             # Another engine continues from what reached the caller (`output_token_ids`): a
@@ -224,7 +241,7 @@ class ServeEngineClient:
             request.output_token_ids = resumed_from + (delivered or [])
 
     async def _may_migrate(
-        self, request_id: str, failure: RequestFailure | None, attempt: int
+        self, request_id: str, failure: RequestFailure | None, attempt: int, num_tokens: int
     ) -> bool:
         """Whether to send a request again whose engine failed it, after a pause that lets the
         router learn of the failure: a replica that died leaves the router's choice at once, one
@@ -237,15 +254,22 @@ class ServeEngineClient:
         if attempt >= self.migration_limit:
             logger.warning("request %s: engine failed it; no migration left", request_id)
             return False
+        if self.migration_max_seq_len is not None and num_tokens > self.migration_max_seq_len:
+            logger.warning(
+                "request %s: engine failed it; %d tokens, past --migration-max-seq-len",
+                request_id,
+                num_tokens,
+            )
+            return False
         reason = failure.kind.value
         logger.warning("request %s: engine failed it (%s); sending it again", request_id, reason)
         await asyncio.sleep(MIGRATION_PAUSE_S * 2**attempt)
         return True
 
-    def _count_migration(self, failure: RequestStepOutput) -> None:
+    def _count_migration(self, move: _Move) -> None:
         """A request sent again has a replica: it moved, for its engine's failure."""
-        if self.on_migration is not None and failure.error is not None:
-            self.on_migration(failure.error.kind.value)
+        if self.on_migration is not None:
+            self.on_migration(move.reason, time.monotonic() - move.failed_at)
 
     def _add_routing_hashes(self, request: GenerateRequest) -> None:
         """With cache-aware routing and a choice of replicas, the prompt's block hashes, for the
@@ -256,6 +280,19 @@ class ServeEngineClient:
             request.routing_hashes = views.routing_hashes(
                 request.prompt_token_ids, request.cache_salt
             )
+
+
+@dataclass(frozen=True)
+class _Move:
+    """Why a request's engine failed it, and when: what its move is counted by."""
+
+    reason: str  # the failure's kind, or `STALLED_REASON`
+    failed_at: float  # time.monotonic()
+
+    @classmethod
+    def of(cls, failure: RequestFailure | None, stalled: bool) -> _Move:
+        kind = failure.kind.value if failure is not None else "none"
+        return cls(STALLED_REASON if stalled else kind, time.monotonic())
 
 
 class ChannelLostError(RuntimeError):

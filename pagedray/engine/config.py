@@ -181,6 +181,12 @@ class EngineConfig(BaseModel):
         description="served: times a request moves to another engine when its own fails it "
         "(a stream resumes from its tokens; 0: never)",
     )
+    migration_max_seq_len: int | None = Field(
+        None,
+        ge=1,
+        description="served: a request whose prompt and delivered tokens exceed this many does "
+        "not move (another engine would compute them all again); default: any",
+    )
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
     )

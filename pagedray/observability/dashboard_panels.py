@@ -184,13 +184,20 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "reqps",
         "Requests moved to another engine replica after theirs failed them (a stream resumes "
         "from the tokens its client has), by the failure: dead (the replica or its engine "
-        "died) or aborted (from outside: a lost output channel).",
+        "died), aborted (from outside: a lost output channel) or stalled (its replica stopped "
+        "answering or stepping).",
         [
             (
                 f"sum by (model_name, reason) ({_rate('ray_pagedray_request_migrations_total')})",
                 "{{reason}} {{model_name}}",
             ),
         ],
+    ),
+    (
+        "Migration time",
+        "s",
+        "Seconds from a request's engine failing it to its placement on another replica.",
+        _quantile_exprs("ray_pagedray_request_migration_seconds"),
     ),
     (
         "Routed requests per engine replica",

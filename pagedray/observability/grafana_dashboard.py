@@ -43,6 +43,7 @@ HISTOGRAMS = (
     "ray_pagedray_batch_size",
     "ray_pagedray_http_request_latency_seconds",  # the ingress's; tag route
     "ray_pagedray_routing_matched_blocks",  # the engine router's
+    "ray_pagedray_request_migration_seconds",  # the ingress's
     "ray_pagedray_grammar_compile_seconds",
     "ray_pagedray_grammar_bitmask_seconds",
 )

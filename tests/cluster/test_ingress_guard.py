@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from pagedray.cluster import serve_engine_client
+from pagedray.cluster import replica_watch, serve_engine_client
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.serve_engine_client import ServeEngineClient
 from pagedray.engine.output_processor import ChoiceDelta
@@ -169,11 +169,13 @@ class _FakeHandle:
     and again (an exception is raised); the output channel brings nothing. Its router names a
     replica for each call, as `EngineRequestRouter` does, unless none is `live`."""
 
-    def __init__(self, *answers: Any, live: bool = True) -> None:
+    def __init__(self, *answers: Any, live: bool = True, wedged: frozenset[str] = frozenset()):
+        """`wedged`: replicas (r1, r2... one per call) that never answer, nor their probes."""
         self.answers = list(answers)
         self.generate = self
         self.num_calls = 0
         self.live = live
+        self.wedged = wedged
 
     def options(self, stream: bool) -> _FakeHandle:
         return self
@@ -182,13 +184,32 @@ class _FakeHandle:
     def subscribe(self) -> _FakeHandle:
         return self
 
+    @property
+    def liveness(self) -> _FakeLiveness:
+        return _FakeLiveness(self.wedged)
+
     def remote(self, request: Any, **kwargs: Any) -> Any:
         if not isinstance(request, GenerateRequest):  # a subscription to an output channel
             return _NeverDelivers()
         self.num_calls += 1
+        replica_id = f"r{self.num_calls}"
         if self.live and request.on_routed is not None:
-            request.on_routed("r1")
-        return _FakeResponse(self.answers.pop(0) if len(self.answers) > 1 else self.answers[0])
+            request.on_routed(replica_id)
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        return _FakeResponse(_HANGS if replica_id in self.wedged else answer)
+
+
+class _FakeLiveness:
+    """A replica's answer to the ingress's probe: it makes progress, unless `wedged`."""
+
+    def __init__(self, wedged: frozenset[str]) -> None:
+        self.wedged = wedged
+
+    def remote(self, replica_id: str) -> _FakeResponse:
+        return _FakeResponse(_HANGS if replica_id in self.wedged else None)
+
+
+_HANGS = object()  # a call that is never answered
 
 
 class _NeverDelivers:
@@ -212,6 +233,8 @@ class _FakeResponse:
 
     def __await__(self) -> Iterator[Any]:
         yield from asyncio.sleep(0).__await__()
+        if self.answer is _HANGS:
+            yield from asyncio.Event().wait().__await__()
         if isinstance(self.answer, BaseException):
             raise self.answer
         return self.answer
@@ -240,18 +263,23 @@ def _outputs(
     unary: bool,
     migration_limit: int,
     tokenizer: Any = None,
+    prompt: tuple[int, ...] = (1,),
+    migration_max_seq_len: int | None = None,
+    migrations: list[str] | None = None,
 ) -> list[RequestStepOutput]:
     """What a client's request through `handle` gets: its refusal, or its outputs (their text
-    made by `tokenizer`)."""
+    made by `tokenizer`); each move's reason is appended to `migrations`."""
+    stream_interval = None if unary else 1
 
     async def run() -> list[RequestStepOutput]:
-        request = GenerateRequest("cmpl-7", [1], PARAMS, stream_interval=None if unary else 1)
+        request = GenerateRequest("cmpl-7", list(prompt), PARAMS, stream_interval=stream_interval)
         control = EngineControl(handle, max_model_len=64)  # type: ignore[arg-type]
         client = ServeEngineClient(
             handle,  # type: ignore[arg-type]
             control,
             migration_limit,
-            on_migration=migrations.append,
+            on_migration=lambda reason, seconds: migrations.append(reason),
+            migration_max_seq_len=migration_max_seq_len,
         )
         streams = EngineStreams(client, [request], tokenizer)
         refused = await streams.open()
@@ -259,7 +287,7 @@ def _outputs(
             return [RequestStepOutput("cmpl-7", error=refused)]
         return [out async for _, out in streams.merged()]
 
-    migrations: list[str] = []
+    migrations = [] if migrations is None else migrations
     with caplog.at_level(logging.WARNING, logger="ray.serve.pagedray.ingress"):
         outputs = asyncio.run(run())
     # Each call after the first is a move, counted once the router placed it.
@@ -306,6 +334,44 @@ def test_a_request_its_engine_failed_before_any_output_is_sent_again(
     outputs = _outputs(handle, caplog, unary, migration_limit=3)
     assert handle.num_calls == 2 and outputs[-1].error is not None
     assert outputs[-1].error.kind is FailureKind.DEAD and "no live engine replica" in caplog.text
+
+
+@pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
+def test_a_request_longer_than_migration_max_seq_len_does_not_move(
+    caplog: pytest.LogCaptureFixture, unary: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    died = RuntimeError("ActorDiedError: the replica exited")
+    # The second engine's answer: a failure of the request's own, final (the fake's channel
+    # brings no output for a stream).
+    late = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.TIMEOUT, "late"))
+    handle = _FakeHandle(died, late)
+    outputs = _outputs(handle, caplog, unary, 3, prompt=(1, 2, 3), migration_max_seq_len=2)
+    assert handle.num_calls == 1 and outputs[-1].error is not None
+    assert outputs[-1].error.kind is FailureKind.DEAD
+    assert "past --migration-max-seq-len" in caplog.text
+    handle = _FakeHandle(died, late)
+    outputs = _outputs(handle, caplog, unary, 3, prompt=(1, 2, 3), migration_max_seq_len=3)
+    assert handle.num_calls == 2 and outputs[-1].error == late.error
+
+
+@pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
+def test_a_request_on_a_replica_that_stops_answering_moves(
+    caplog: pytest.LogCaptureFixture, unary: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica holding the request answers neither the request nor the ingress's probe:
+    the watch takes it out of routing and the request moves, counted as `stalled`."""
+    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    monkeypatch.setattr(replica_watch, "PROBE_PERIOD_S", 0.01)
+    monkeypatch.setattr(replica_watch, "UNANSWERED_S", 0.05)
+    monkeypatch.setattr(replica_watch, "UNHEALTHY_REPLICA_IDS", set())
+    late = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.TIMEOUT, "late"))
+    handle = _FakeHandle(late, wedged=frozenset({"r1"}))
+    migrations: list[str] = []
+    outputs = _outputs(handle, caplog, unary, 3, migrations=migrations)
+    assert handle.num_calls == 2 and outputs[-1].error == late.error  # the second replica's
+    assert migrations == ["stalled"] and "r1 makes no progress" in caplog.text
+    assert {"r1"} == replica_watch.UNHEALTHY_REPLICA_IDS  # out of routing until it answers
 
 
 @pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])
