@@ -44,6 +44,7 @@ FORCE_STOP_UNHEALTHY_ENV = "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"
 CONTROL_LOOP_INTERVAL_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 METRICS_EXPORT_INTERVAL_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 LOG_MONITOR_FILES_THRESHOLD_ENV = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
+PORT_QUARANTINE_ENV = "RAY_SERVE_PORT_QUARANTINE_S"
 # Seconds between readiness polls while the app starts.
 READY_POLL_S = 0.1
 # Serve's statuses of an application, or a deployment, that will not serve without a redeploy.
@@ -94,6 +95,10 @@ def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
         # Serve keeps a stopping ingress replica listening 30 s so that a load balancer in front
         # notices; none is in front of a local server, so it stops at once (as the proxy did).
         env[DIRECT_INGRESS_DRAIN_ENV] = "0"
+        # NOTE: Serve holds a released replica port out of its pool for 150 s, so that an
+        # HAProxy in front drops its stale slot first; none is in front here, and with a one-port
+        # range a dead ingress replica's replacement could not listen for 150 s (the API down).
+        env[PORT_QUARANTINE_ENV] = "0"
     else:
         env[DIRECT_INGRESS_ENV] = "0"
     return {**{key: value for key, value in env.items() if key not in os.environ}, **ports}

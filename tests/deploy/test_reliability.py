@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +201,29 @@ def test_a_killed_worker_fails_its_stream_fast_and_serve_replaces_the_engine(
     assert kill.completion_s is not None and kill.completion_s < RECOVERY_S, kill
     assert kill.leaked_blocks == 0, kill
     assert kill.pid not in server.processes(marker)
+
+
+def test_a_killed_ingress_replica_is_replaced_on_the_api_port(
+    server: ServeProcess, target: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The process that listens on the API port is killed: Serve starts another ingress
+    replica, which listens on the same port at once (Serve's 150 s port quarantine, for an
+    HAProxy in front, is off: none is), and the API answers again."""
+    [pid] = server.processes("OpenAIIngress")
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    body = {"model": MODEL, "prompt": "back?", "max_tokens": 4}
+    answered_s = None
+    while time.monotonic() - killed_at < BUDGET_S:
+        try:
+            reply = httpx.post(f"{target.url}/v1/completions", json=body, timeout=10)
+        except httpx.HTTPError:
+            reply = None
+        if reply is not None and reply.status_code == 200:
+            answered_s = time.monotonic() - killed_at
+            break
+        time.sleep(0.25)
+    with capsys.disabled():
+        print(f"\ningress kill ({server.url}): a completion answered {_seconds(answered_s)} after")
+    assert answered_s is not None and answered_s < RECOVERY_S
+    assert pid not in server.processes("OpenAIIngress")
