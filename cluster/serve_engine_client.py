@@ -12,9 +12,11 @@ end. With cache-aware routing, each request carries its prompt's block hashes to
 
 A request whose engine fails it (the replica died, the engine died or aborted it from outside)
 is sent again, to a live replica, up to `migration_limit` times: before any of its output
-reached the client, whole; after, a streamed request of one choice resumes from the tokens the
-client has (`GenerateRequest.output_token_ids`), which the new engine computes as context and
-samples on from, so that a greedy or seeded request's stream goes on token for token. A replica
+reached the client, whole; after, a streamed request resumes from the tokens the client has
+(`GenerateRequest.output_token_ids`), which the new engine computes as context and samples on
+from, so that a greedy or seeded request's stream goes on token for token; a request of n > 1
+choices goes on as one request per unfinished choice, each as its engine ran it after the
+prompt forked (its own seed, its own tokens), their outputs joined as the choices of one. A replica
 that holds requests of ours but makes no progress (stopped, wedged, stalled) is found within
 seconds (`ReplicaWatch`), and its requests move as from a dead one.
 """
@@ -22,6 +24,7 @@ seconds (`ReplicaWatch`), and its requests move as from a dead one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -39,6 +42,7 @@ from pagedray.engine.engine_client import EngineLimits, Health
 from pagedray.engine.request_errors import MIGRATED_FAILURES
 from pagedray.engine.step_outputs import merge_step_outputs
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
+from pagedray.scheduler.request import child_seed
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
@@ -183,7 +187,9 @@ class ServeEngineClient:
             queue.put_nowait(broken_call(request_id, ReplicaStalledError(why)))
 
         resumed_from = list(request.output_token_ids)
-        delivered: list[int] | None = None  # the tokens that reached the caller, once any did
+        # Per choice, the tokens that reached the caller, once any did; the choices finished.
+        delivered: dict[int, list[int]] | None = None
+        finished_choices: set[int] = set()
         failure: RequestStepOutput | None = None
         move: _Move | None = None
         for attempt in itertools.count():
@@ -209,14 +215,14 @@ class ServeEngineClient:
                         lag_timer = loop.call_later(CHANNEL_LAG_S, channel_lost)
                         continue
                     if item.error is not None:
-                        if delivered is not None and request.sampling_params.n != 1:
-                            yield item  # n choices begun: they cannot resume as one request
-                            return
                         failure = item
                         break
                     output, held = _with_queued(item, queue)
-                    delivered = delivered or []
-                    delivered += [token for delta in output.deltas for token in delta.token_ids]
+                    delivered = {} if delivered is None else delivered
+                    for delta in output.deltas:
+                        delivered.setdefault(delta.index, []).extend(delta.token_ids)
+                        if delta.finish_reason is not None:
+                            finished_choices.add(delta.index)
                     yield output
                     if output.finished:
                         return
@@ -231,14 +237,93 @@ class ServeEngineClient:
                 if placed:
                     self.watch.release(placed[-1], request_id)
             move = _Move.of(failure.error, stalled=bool(stalled_on & set(placed[-1:])))
-            num_tokens = len(request.prompt_token_ids) + len(resumed_from) + len(delivered or [])
+            longest = max(map(len, (delivered or {}).values()), default=0)
+            num_tokens = len(request.prompt_token_ids) + len(resumed_from) + longest
             if not await self._may_migrate(request_id, failure.error, attempt, num_tokens):
                 yield failure
                 return
             # Another engine continues from what reached the caller (`output_token_ids`): a
             # greedy or seeded request, token for token as if nothing had happened.
             request.failed_replica_ids.update(placed[-1:])
-            request.output_token_ids = resumed_from + (delivered or [])
+            if delivered is not None and request.sampling_params.n != 1:
+                self._count_migration(move)  # as its choices are sent on
+                async for output in self._resume_choices(
+                    request, delivered, finished_choices, failure
+                ):
+                    yield output
+                return
+            request.output_token_ids = resumed_from + (delivered or {}).get(0, [])
+
+    async def _resume_choices(
+        self,
+        request: GenerateRequest,
+        delivered: dict[int, list[int]],
+        finished: set[int],
+        failure: RequestStepOutput,
+    ) -> AsyncGenerator[RequestStepOutput, None]:
+        """A stream of n > 1 choices whose engine failed it once its tokens had begun: each
+        unfinished choice goes on as a request of its own, with the seed and the tokens its
+        engine gave it after the prompt forked (scheduler/request.py's `fork_child`), through
+        the same moves as any stream; their outputs come back as the choices of this one, and
+        the first failure of one ends them all (as a failed choice ends its request)."""
+        choices = [i for i in range(request.sampling_params.n) if i not in finished]
+        if any(not delivered.get(i) for i in choices):
+            yield failure  # a choice without a token yet: its first draw was its prompt's
+            return
+        queue: asyncio.Queue[tuple[int, RequestStepOutput | None]] = asyncio.Queue()
+
+        async def follow(index: int) -> None:
+            try:
+                async for output in self._through_channel(
+                    self._choice_request(request, index, delivered[index])
+                ):
+                    queue.put_nowait((index, output))
+            finally:
+                queue.put_nowait((index, None))
+
+        followers = [asyncio.create_task(follow(index)) for index in choices]
+        try:
+            open_choices = set(choices)
+            while open_choices:
+                index, output = await queue.get()
+                if output is None:  # its stream ended (after its finish, or cancelled)
+                    open_choices.discard(index)
+                    continue
+                if output.error is not None:
+                    yield RequestStepOutput(request.request_id, error=output.error)
+                    return
+                if output.finished:
+                    open_choices.discard(index)
+                deltas = [
+                    dataclasses.replace(delta, request_id=request.request_id, index=index)
+                    for delta in output.deltas
+                ]
+                yield RequestStepOutput(
+                    request.request_id, deltas, finished=output.finished and not open_choices
+                )
+        finally:
+            for follower in followers:
+                follower.cancel()
+
+    def _choice_request(
+        self, request: GenerateRequest, index: int, tokens: list[int]
+    ) -> GenerateRequest:
+        """Choice `index` of `request` as a request of one choice that goes on from `tokens`."""
+        params = request.sampling_params.clone(
+            n=1, seed=child_seed(request.sampling_params.seed, index), prompt_logprobs=None
+        )
+        choice = GenerateRequest(
+            f"{request.request_id}-choice{index}",
+            request.prompt_token_ids,
+            params,
+            request.priority,
+            request.cache_salt,
+            request.stream_interval,
+            output_token_ids=list(tokens),
+        )
+        choice.failed_replica_ids = set(request.failed_replica_ids)
+        self._add_routing_hashes(choice)
+        return choice
 
     async def _may_migrate(
         self, request_id: str, failure: RequestFailure | None, attempt: int, num_tokens: int

@@ -113,7 +113,7 @@ class Request:
     def fork_child(self, choice_index: int) -> Request:
         """A child sequence that continues this prompt; it shares the prompt's computed KV."""
         params = self.sampling_params.clone(
-            n=1, seed=_child_seed(self.sampling_params.seed, choice_index)
+            n=1, seed=child_seed(self.sampling_params.seed, choice_index)
         )
         child = Request(
             EngineRequest(
@@ -144,8 +144,9 @@ def child_req_id(req_id: str, choice_index: int) -> str:
     return f"{req_id}#{choice_index}"
 
 
-def _child_seed(seed: int | None, choice_index: int) -> int | None:
-    """A distinct, reproducible seed per child so seeded n > 1 requests repeat exactly."""
+def child_seed(seed: int | None, choice_index: int) -> int | None:
+    """A distinct, reproducible seed per child so seeded n > 1 requests repeat exactly (and a
+    choice resumed alone, cluster/serve_engine_client.py, goes on as its child would)."""
     if seed is None:
         return None
     return (seed * 1_000_003 + choice_index + 1) % (2**63)
