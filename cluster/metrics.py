@@ -49,9 +49,6 @@ HTTP_STATUSES = ("200", "400", "401", "404", "500", "503")
 # Why a request was sent to an engine again: the kind of its engine's failure, or its replica
 # making no progress (cluster/replica_watch.py).
 MIGRATION_REASONS = (*(kind.value for kind in MIGRATED_FAILURES), STALLED_REASON)
-# From a placement at the first try after the pause (0.25 s) to one after the last (2 s and
-# more).
-MIGRATION_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 
 
 class EngineMetrics:
@@ -246,11 +243,12 @@ class IngressMetrics:
             "stalled (its replica made no progress).",
             TAG_KEYS + ("reason",),
         ).set_default_tags(tags)
-        self.request_migration_time = Histogram(
+        # NOTE: a counter of seconds, not a histogram: a histogram is exported only once it
+        # has a sample, and a move is rare, so its panel would read "No data" instead of 0.
+        self.request_migration_time = Counter(
             "pagedray_request_migration_seconds",
             "Seconds from a request's engine failing it to the request's placement on another "
-            "engine replica.",
-            MIGRATION_BUCKETS,
+            "engine replica, summed over moves (per move: divide by the migrations counter).",
             TAG_KEYS,
         ).set_default_tags(tags)
         if export_zeros:
@@ -259,16 +257,21 @@ class IngressMetrics:
     def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
         """The series that exist at 0 before the first request: each generation route with
         each status it is answered with, and each reason to migrate a request."""
-        return [
-            (self.http_requests, {"route": route, "status": status})
-            for route in GENERATION_ROUTES
-            for status in HTTP_STATUSES
-        ] + [(self.request_migrations, {"reason": reason}) for reason in MIGRATION_REASONS]
+        return (
+            [
+                (self.http_requests, {"route": route, "status": status})
+                for route in GENERATION_ROUTES
+                for status in HTTP_STATUSES
+            ]
+            + [(self.request_migrations, {"reason": reason}) for reason in MIGRATION_REASONS]
+            + [(self.request_migration_time, {})]
+        )
 
     def record_migration(self, reason: str, seconds: float) -> None:
         """A request moved, for `reason`, placed `seconds` after its engine failed it."""
         self.request_migrations.inc(tags={"reason": reason})
-        self.request_migration_time.observe(seconds)
+        if seconds > 0:  # Counter.inc refuses 0
+            self.request_migration_time.inc(seconds)
 
     def record(self, route: str, status: int, latency: float) -> None:
         """One answered request: its route template, HTTP status and seconds to answer."""

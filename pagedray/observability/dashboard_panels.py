@@ -196,8 +196,14 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     (
         "Migration time",
         "s",
-        "Seconds from a request's engine failing it to its placement on another replica.",
-        _quantile_exprs("ray_pagedray_request_migration_seconds"),
+        "Mean seconds from a request's engine failing it to its placement on another replica.",
+        [
+            (
+                f"sum by (model_name) ({_rate('ray_pagedray_request_migration_seconds_total')})"
+                f" / sum by (model_name) ({_rate('ray_pagedray_request_migrations_total')})",
+                "mean {{model_name}}",
+            ),
+        ],
     ),
     (
         "Routed requests per engine replica",

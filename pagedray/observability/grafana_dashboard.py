@@ -32,6 +32,7 @@ COUNTERS = (
     "ray_pagedray_http_requests_total",  # the ingress's; tags route, status
     "ray_pagedray_routed_requests_total",  # the engine router's (in the ingress); replica, reason
     "ray_pagedray_request_migrations_total",  # the ingress's; tag reason
+    "ray_pagedray_request_migration_seconds_total",  # the ingress's: summed over moves
     "ray_pagedray_structured_output_requests_total",  # tag kind
 )
 HISTOGRAMS = (
@@ -43,7 +44,6 @@ HISTOGRAMS = (
     "ray_pagedray_batch_size",
     "ray_pagedray_http_request_latency_seconds",  # the ingress's; tag route
     "ray_pagedray_routing_matched_blocks",  # the engine router's
-    "ray_pagedray_request_migration_seconds",  # the ingress's
     "ray_pagedray_grammar_compile_seconds",
     "ray_pagedray_grammar_bitmask_seconds",
 )

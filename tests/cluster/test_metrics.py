@@ -387,7 +387,7 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_routed_requests_total",
     "ray_pagedray_routing_matched_blocks",
     "ray_pagedray_request_migrations_total",
-    "ray_pagedray_request_migration_seconds",
+    "ray_pagedray_request_migration_seconds_total",
     "ray_pagedray_structured_output_requests_total",
     "ray_pagedray_grammar_compile_seconds",
     "ray_pagedray_grammar_bitmask_seconds",
