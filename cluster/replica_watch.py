@@ -30,7 +30,7 @@ STALLED_REASON = "stalled"
 PROBE_PERIOD_S = 1.0
 # Seconds without an answer after which a replica is taken for wedged: well above the probe's
 # cost on a busy 2-core machine (milliseconds), well below Serve's health check timeout.
-UNANSWERED_S = 4.0
+UNANSWERED_S = 3.0
 
 # This process's unhealthy engine replicas, by id: written here, read by the router that Serve
 # builds in this process (see cluster/kv_views.py for why a module global).
