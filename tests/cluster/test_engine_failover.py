@@ -20,6 +20,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 from _serve_apps import deploy_app
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from slow_engine import slow_engine_builder
 
 MODEL = "tiny"
@@ -221,3 +223,38 @@ def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: s
     assert errors == [None]
     assert _texts(chunks) == _texts(expected) and len(chunks) > 10
     assert moved_within_s < HEALTH_CHECK_TIMEOUT_S
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(kill_after=st.integers(min_value=1, max_value=50))
+def test_a_stream_killed_at_any_point_goes_on_and_the_survivor_leaks_no_block(
+    url: str, kill_after: int
+) -> None:
+    """The kill lands after a drawn number of chunks; the stream ends as undisturbed, and once
+    idle the surviving replica holds no KV block."""
+    body = {"prompt": "a stream killed at a drawn point:", "max_tokens": 56, "temperature": 0}
+    body["ignore_eos"] = True
+    _two_replicas_serving(url)
+    expected: list[tuple[int, str]] = []
+    assert _stream(url, body, expected) is None
+    chunks: list[tuple[int, str]] = []
+    errors: list[str | None] = []
+    reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(chunks) < kill_after:
+        assert time.monotonic() < deadline and reader.is_alive(), chunks
+        time.sleep(0.01)
+    [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
+    _kill_replica(victim)
+    reader.join(TIMEOUT_S)
+    assert errors == [None]
+    assert _texts(chunks) == _texts(expected)
+    deadline = time.monotonic() + 30
+    while True:  # the survivor, idle: every block free
+        survivors = [r for r in _replicas(url) if r["replica_id"] != victim]
+        held = sum(r["num_kv_blocks"] - r["num_free_blocks"] for r in survivors)
+        if survivors and held == 0 and all(r["num_requests"] == 0 for r in survivors):
+            break
+        assert time.monotonic() < deadline, survivors
+        time.sleep(0.2)
