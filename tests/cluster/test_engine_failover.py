@@ -15,7 +15,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -174,22 +175,9 @@ def test_a_stream_whose_engine_dies_goes_on_token_exact(url: str, sampling: dict
     the JSON goes on where it was, neither restarted nor duplicated; each of n choices goes on
     from its own tokens)."""
     body = {"prompt": "a stream that outlives its engine:", "max_tokens": 60, **sampling}
-    _two_replicas_serving(url)
-    expected: list[tuple[int, str]] = []
-    assert _stream(url, body, expected) is None
-    chunks: list[tuple[int, str]] = []
-    errors: list[str | None] = []
-    reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
-    reader.start()
-    deadline = time.monotonic() + 30
-    while len(chunks) < 10:
-        assert time.monotonic() < deadline and reader.is_alive(), chunks
-        time.sleep(0.02)
-    [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
-    _kill_replica(victim)
-    reader.join(TIMEOUT_S)
-    assert errors == [None]
-    assert _texts(chunks) == _texts(expected) and len(chunks) > 10
+    struck = _strike_mid_stream(url, body, 10, _kill_replica)
+    assert struck.error is None
+    assert struck.texts == struck.expected and struck.num_chunks > 10
 
 
 def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: str) -> None:
@@ -200,29 +188,20 @@ def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: s
 
     body = {"prompt": "a stream whose engine stops:", "max_tokens": 60, "temperature": 0}
     body["ignore_eos"] = True
-    _two_replicas_serving(url)
-    expected: list[tuple[int, str]] = []
-    assert _stream(url, body, expected) is None
-    chunks: list[tuple[int, str]] = []
-    errors: list[str | None] = []
-    reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
-    reader.start()
-    deadline = time.monotonic() + 30
-    while len(chunks) < 10:
-        assert time.monotonic() < deadline and reader.is_alive(), chunks
-        time.sleep(0.02)
-    [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
-    pid = _replica_pid(victim)
-    os.kill(pid, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    try:
-        reader.join(TIMEOUT_S)
-        moved_within_s = time.monotonic() - stopped_at
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert errors == [None]
-    assert _texts(chunks) == _texts(expected) and len(chunks) > 10
-    assert moved_within_s < HEALTH_CHECK_TIMEOUT_S
+    stopped: list[int] = []
+
+    def stop(victim: str) -> None:
+        stopped.append(_replica_pid(victim))
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    def resume() -> None:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+    struck = _strike_mid_stream(url, body, 10, stop, resume)
+    assert struck.error is None
+    assert struck.texts == struck.expected and struck.num_chunks > 10
+    assert struck.ended_after_s < HEALTH_CHECK_TIMEOUT_S
 
 
 @settings(max_examples=3, deadline=None, derandomize=True)
@@ -234,6 +213,39 @@ def test_a_stream_killed_at_any_point_goes_on_and_the_survivor_leaks_no_block(
     idle the surviving replica holds no KV block."""
     body = {"prompt": "a stream killed at a drawn point:", "max_tokens": 56, "temperature": 0}
     body["ignore_eos"] = True
+    struck = _strike_mid_stream(url, body, kill_after, _kill_replica)
+    assert struck.error is None and struck.texts == struck.expected
+    deadline = time.monotonic() + 30
+    while True:  # the survivor, idle: every block free
+        survivors = [r for r in _replicas(url) if r["replica_id"] != struck.victim]
+        held = sum(r["num_kv_blocks"] - r["num_free_blocks"] for r in survivors)
+        if survivors and held == 0 and all(r["num_requests"] == 0 for r in survivors):
+            break
+        assert time.monotonic() < deadline, survivors
+        time.sleep(0.2)
+
+
+@dataclass
+class StruckStream:
+    """A stream whose engine replica was struck mid-way, and the same request undisturbed."""
+
+    expected: dict[int, str]  # each choice's text, undisturbed
+    texts: dict[int, str]  # each choice's text, struck
+    num_chunks: int
+    error: str | None  # the error event, if one came
+    victim: str  # the replica struck
+    ended_after_s: float  # from the strike to the stream's end
+
+
+def _strike_mid_stream(
+    url: str,
+    body: dict[str, Any],
+    after_chunks: int,
+    strike: Callable[[str], None],
+    recover: Callable[[], None] = lambda: None,
+) -> StruckStream:
+    """Stream `body` once undisturbed, then again, calling `strike(replica id)` on the replica
+    holding it once `after_chunks` chunks have come; `recover()` once the stream has ended."""
     _two_replicas_serving(url)
     expected: list[tuple[int, str]] = []
     assert _stream(url, body, expected) is None
@@ -242,19 +254,18 @@ def test_a_stream_killed_at_any_point_goes_on_and_the_survivor_leaks_no_block(
     reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
     reader.start()
     deadline = time.monotonic() + 30
-    while len(chunks) < kill_after:
+    while len(chunks) < after_chunks:
         assert time.monotonic() < deadline and reader.is_alive(), chunks
         time.sleep(0.01)
     [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
-    _kill_replica(victim)
-    reader.join(TIMEOUT_S)
-    assert errors == [None]
-    assert _texts(chunks) == _texts(expected)
-    deadline = time.monotonic() + 30
-    while True:  # the survivor, idle: every block free
-        survivors = [r for r in _replicas(url) if r["replica_id"] != victim]
-        held = sum(r["num_kv_blocks"] - r["num_free_blocks"] for r in survivors)
-        if survivors and held == 0 and all(r["num_requests"] == 0 for r in survivors):
-            break
-        assert time.monotonic() < deadline, survivors
-        time.sleep(0.2)
+    strike(victim)
+    struck_at = time.monotonic()
+    try:
+        reader.join(TIMEOUT_S)
+        ended_after_s = time.monotonic() - struck_at
+    finally:
+        recover()
+    assert errors, "the stream did not end"
+    return StruckStream(
+        _texts(expected), _texts(chunks), len(chunks), errors[0], victim, ended_after_s
+    )
