@@ -250,8 +250,9 @@ def _difference(record: StreamRecord, ref: StreamRecord) -> str:
             (i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want))
         )
         if got != want:
+            got_there, want_there = got[at : at + 20], want[at : at + 20]
             parts.append(
-                f"choice {index} at char {at} of {len(want)}: {got[at : at + 20]!r} for {want[at : at + 20]!r}"
+                f"choice {index} at char {at} of {len(want)}: {got_there!r} for {want_there!r}"
             )
         finish, want_finish = record.finish_reasons.get(index), ref.finish_reasons.get(index)
         if finish != want_finish:

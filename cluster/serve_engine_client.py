@@ -27,8 +27,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable
 
 from ray.serve.handle import DeploymentHandle
@@ -36,13 +34,18 @@ from ray.serve.handle import DeploymentHandle
 # NOTE: the module, not its `KV_VIEWS`: the router in this process reads the same object.
 from pagedray.cluster import kv_views
 from pagedray.cluster.engine_control import EngineControl
+from pagedray.cluster.migration import (
+    DEFAULT_MIGRATION_LIMIT,
+    MigrationPolicy,
+    Move,
+    Placements,
+    choice_request,
+)
 from pagedray.cluster.output_subscriber import OutputSubscriber
-from pagedray.cluster.replica_watch import STALLED_REASON, ReplicaWatch
+from pagedray.cluster.replica_watch import ReplicaWatch
 from pagedray.engine.engine_client import EngineLimits, Health
-from pagedray.engine.request_errors import MIGRATED_FAILURES
 from pagedray.engine.step_outputs import merge_step_outputs
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
-from pagedray.scheduler.request import child_seed
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
@@ -50,13 +53,6 @@ logger = logging.getLogger("ray.serve.pagedray.ingress")
 CHANNEL_LAG_S = 10.0
 # On the queue of a streamed request: its call ended (its finish may still be on the channel).
 _CALL_ENDED = object()
-# Times a request is sent again after its engine failed it, by default, and the first pause
-# before it is (doubling with each).
-DEFAULT_MIGRATION_LIMIT = 3
-MIGRATION_PAUSE_S = 0.25
-# Seconds the router may take to place a request sent again before there is taken to be no
-# live replica (it places one in milliseconds when there is).
-MIGRATION_ROUTE_S = 2.0
 
 
 class ServeEngineClient:
@@ -78,9 +74,7 @@ class ServeEngineClient:
         self.control = control
         self.subscriber = OutputSubscriber(engine)
         self.watch = ReplicaWatch(engine)
-        self.migration_limit = migration_limit
-        self.migration_max_seq_len = migration_max_seq_len
-        self.on_migration = on_migration
+        self.migration = MigrationPolicy(migration_limit, migration_max_seq_len, on_migration)
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         """The request's one call to the engine deployment. Leaving early cancels the call,
@@ -106,49 +100,36 @@ class ServeEngineClient:
     async def _answer(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         """A request that wants one output: the call's answer, its refusal, its failure or its
         finished output. Nothing reaches the client before it, so a failure of the engine is
-        answered by sending the request again (`_may_migrate`)."""
+        answered by sending the request again (`MigrationPolicy`)."""
         request_id = request.request_id
         loop = asyncio.get_running_loop()
-        routed = asyncio.Event()
-        placed: list[str] = []  # the replica of each attempt, as the router names it
-        stalled_on: set[str] = set()  # the replicas found to make no progress with it
         abandoned: asyncio.Future[RequestStepOutput] = loop.create_future()
 
         def abandon(why: str) -> None:  # its replica makes no progress
-            stalled_on.update(placed[-1:])
             if not abandoned.done():
                 abandoned.set_result(broken_call(request_id, ReplicaStalledError(why)))
 
-        def place(replica_id: str) -> None:
-            placed.append(replica_id)
-            self.watch.hold(replica_id, request_id, abandon)
-            routed.set()
-
-        def on_routed(replica_id: str) -> None:  # on the router's thread
-            loop.call_soon_threadsafe(place, replica_id)
-
-        request.on_routed = on_routed
+        placements = Placements(request, self.watch, abandon)
         answer = None
-        move: _Move | None = None
+        move: Move | None = None
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
         for attempt in itertools.count():
-            routed.clear()
+            placements.start_attempt()
             abandoned = loop.create_future()
             call = self.engine.generate.remote(request)
             try:
                 if move is not None:  # sent again: counted once the router places it
-                    if not await _routed_in_time(routed, request_id):
+                    if not await placements.placed_in_time():
                         break  # no live replica: the failure stands
-                    self._count_migration(move)
+                    self.migration.count(move)
                 answer = await _answer_unless_abandoned(call, abandoned, request_id)
             finally:
                 call.cancel()  # NOTE: when cancelled here, aborts the request in the engine
-                if placed:
-                    self.watch.release(placed[-1], request_id)
-            move = _Move.of(answer.error, stalled=bool(stalled_on & set(placed[-1:])))
-            if not await self._may_migrate(request_id, answer.error, attempt, num_tokens):
+                placements.end_attempt()
+            move = placements.move_of(answer.error)
+            if not await self.migration.may_move(request_id, answer.error, attempt, num_tokens):
                 break
-            request.failed_replica_ids.update(placed[-1:])  # it moves to another
+            placements.leave(request)
         assert answer is not None
         yield answer
 
@@ -157,43 +138,31 @@ class ServeEngineClient:
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """A streamed request: its outputs from the channel, a refusal or failure from its
         call's answer (or the channel's end, which the call then reports). A failure of the
-        engine sends it again (`_may_migrate`), resumed from the tokens that reached the caller
-        (a request of one choice; one of several fails once its output has begun)."""
+        engine sends it again (`MigrationPolicy`), resumed from the tokens that reached the
+        caller (n > 1 choices: each from its own, `_resume_choices`)."""
         request_id = request.request_id
         request.channel_id = self.subscriber.channel_id
         loop = asyncio.get_running_loop()
         subscriber = self.subscriber
-        routed = asyncio.Event()
-        placed: list[str] = []  # the replica of each attempt, as the router names it
-
-        def read_channel(replica_id: str) -> None:
-            subscriber.accepted(request_id, replica_id)
-            placed.append(replica_id)
-            self.watch.hold(replica_id, request_id, abandon)
-            routed.set()
-
-        def on_routed(replica_id: str) -> None:  # on the router's thread
-            loop.call_soon_threadsafe(read_channel, replica_id)
-
-        request.on_routed = on_routed
 
         def channel_lost() -> None:
             queue.put_nowait(broken_call(request_id, ChannelLostError(request_id)))
 
-        stalled_on: set[str] = set()  # the replicas found to make no progress with it
-
         def abandon(why: str) -> None:  # its replica makes no progress
-            stalled_on.update(placed[-1:])
             queue.put_nowait(broken_call(request_id, ReplicaStalledError(why)))
 
+        def read_channel(replica_id: str) -> None:
+            subscriber.accepted(request_id, replica_id)
+
+        placements = Placements(request, self.watch, abandon, read_channel)
         resumed_from = list(request.output_token_ids)
         # Per choice, the tokens that reached the caller, once any did; the choices finished.
         delivered: dict[int, list[int]] | None = None
         finished_choices: set[int] = set()
         failure: RequestStepOutput | None = None
-        move: _Move | None = None
+        move: Move | None = None
         for attempt in itertools.count():
-            routed.clear()
+            placements.start_attempt()
             queue: asyncio.Queue[Any] = asyncio.Queue()
             subscriber.register(request_id, queue.put_nowait)
             call = self.engine.generate.remote(request)
@@ -201,11 +170,11 @@ class ServeEngineClient:
             lag_timer: asyncio.TimerHandle | None = None
             try:
                 if failure is not None and move is not None:  # sent again: counted once placed
-                    if not await _routed_in_time(routed, request_id):
+                    if not await placements.placed_in_time():
                         call.cancel()  # before the caller hears: it must not run meanwhile
                         yield failure  # no live replica: the failure stands
                         return
-                    self._count_migration(move)
+                    self.migration.count(move)
                 failure = None
                 held = None
                 while True:
@@ -234,19 +203,18 @@ class ServeEngineClient:
                 # request there (a no-op for a call that ended).
                 call.cancel()
                 subscriber.unregister(request_id)
-                if placed:
-                    self.watch.release(placed[-1], request_id)
-            move = _Move.of(failure.error, stalled=bool(stalled_on & set(placed[-1:])))
+                placements.end_attempt()
+            move = placements.move_of(failure.error)
             longest = max(map(len, (delivered or {}).values()), default=0)
             num_tokens = len(request.prompt_token_ids) + len(resumed_from) + longest
-            if not await self._may_migrate(request_id, failure.error, attempt, num_tokens):
+            if not await self.migration.may_move(request_id, failure.error, attempt, num_tokens):
                 yield failure
                 return
-            # Another engine continues from what reached the caller (`output_token_ids`): a
-            # greedy or seeded request, token for token as if nothing had happened.
-            request.failed_replica_ids.update(placed[-1:])
+            # Another engine continues from what reached the caller (`output_token_ids`),
+            # with the same seed (see the module).
+            placements.leave(request)
             if delivered is not None and request.sampling_params.n != 1:
-                self._count_migration(move)  # as its choices are sent on
+                self.migration.count(move)  # as its choices are sent on
                 async for output in self._resume_choices(
                     request, delivered, finished_choices, failure
                 ):
@@ -274,9 +242,9 @@ class ServeEngineClient:
 
         async def follow(index: int) -> None:
             try:
-                async for output in self._through_channel(
-                    self._choice_request(request, index, delivered[index])
-                ):
+                choice = choice_request(request, index, delivered[index])
+                self._add_routing_hashes(choice)
+                async for output in self._through_channel(choice):
                     queue.put_nowait((index, output))
             finally:
                 queue.put_nowait((index, None))
@@ -305,57 +273,6 @@ class ServeEngineClient:
             for follower in followers:
                 follower.cancel()
 
-    def _choice_request(
-        self, request: GenerateRequest, index: int, tokens: list[int]
-    ) -> GenerateRequest:
-        """Choice `index` of `request` as a request of one choice that goes on from `tokens`."""
-        params = request.sampling_params.clone(
-            n=1, seed=child_seed(request.sampling_params.seed, index), prompt_logprobs=None
-        )
-        choice = GenerateRequest(
-            f"{request.request_id}-choice{index}",
-            request.prompt_token_ids,
-            params,
-            request.priority,
-            request.cache_salt,
-            request.stream_interval,
-            output_token_ids=list(tokens),
-        )
-        choice.failed_replica_ids = set(request.failed_replica_ids)
-        self._add_routing_hashes(choice)
-        return choice
-
-    async def _may_migrate(
-        self, request_id: str, failure: RequestFailure | None, attempt: int, num_tokens: int
-    ) -> bool:
-        """Whether to send a request again whose engine failed it, after a pause that lets the
-        router learn of the failure: a replica that died leaves the router's choice at once, one
-        whose engine died when Serve's health check sees it. Not for a failure of the request
-        itself (a refusal, its deadline), which is its answer. (Sent again, a request that the
-        router cannot place within `MIGRATION_ROUTE_S` fails too: see `_routed_in_time`.)
-        """
-        if failure is None or failure.kind not in MIGRATED_FAILURES:
-            return False
-        if attempt >= self.migration_limit:
-            logger.warning("request %s: engine failed it; no migration left", request_id)
-            return False
-        if self.migration_max_seq_len is not None and num_tokens > self.migration_max_seq_len:
-            logger.warning(
-                "request %s: engine failed it; %d tokens, past --migration-max-seq-len",
-                request_id,
-                num_tokens,
-            )
-            return False
-        reason = failure.kind.value
-        logger.warning("request %s: engine failed it (%s); sending it again", request_id, reason)
-        await asyncio.sleep(MIGRATION_PAUSE_S * 2**attempt)
-        return True
-
-    def _count_migration(self, move: _Move) -> None:
-        """A request sent again has a replica: it moved, for its engine's failure."""
-        if self.on_migration is not None:
-            self.on_migration(move.reason, time.monotonic() - move.failed_at)
-
     def _add_routing_hashes(self, request: GenerateRequest) -> None:
         """With cache-aware routing and a choice of replicas, the prompt's block hashes, for the
         router to rank the replicas by the prefix each holds."""
@@ -365,19 +282,6 @@ class ServeEngineClient:
             request.routing_hashes = views.routing_hashes(
                 request.prompt_token_ids, request.cache_salt
             )
-
-
-@dataclass(frozen=True)
-class _Move:
-    """Why a request's engine failed it, and when: what its move is counted by."""
-
-    reason: str  # the failure's kind, or `STALLED_REASON`
-    failed_at: float  # time.monotonic()
-
-    @classmethod
-    def of(cls, failure: RequestFailure | None, stalled: bool) -> _Move:
-        kind = failure.kind.value if failure is not None else "none"
-        return cls(STALLED_REASON if stalled else kind, time.monotonic())
 
 
 class ChannelLostError(RuntimeError):
@@ -417,19 +321,6 @@ async def _answer_unless_abandoned(
 
 async def _answer_of(call: Any) -> RequestStepOutput:
     return await call
-
-
-async def _routed_in_time(routed: asyncio.Event, request_id: str) -> bool:
-    """Whether the router placed a request sent again within `MIGRATION_ROUTE_S`: it waits
-    for a live replica other than those that failed it, and when there was only one, its
-    replacement takes seconds to start, so the request fails now, as it would have without the
-    move."""
-    try:
-        await asyncio.wait_for(routed.wait(), MIGRATION_ROUTE_S)
-    except asyncio.TimeoutError:
-        logger.warning("request %s: no live engine replica to move it to", request_id)
-        return False
-    return True
 
 
 async def _watch(

@@ -9,7 +9,7 @@ from typing import Any, Generator
 import pytest
 from transformers import AutoTokenizer
 
-from pagedray.cluster import serve_engine_client
+from pagedray.cluster import migration
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.serve_engine_client import ServeEngineClient
 from pagedray.engine.output_processor import ChoiceDelta
@@ -174,7 +174,7 @@ def test_a_stream_whose_replica_dies_before_its_first_output_goes_to_another(
 ) -> None:
     """The first replica dies before the stream's first output: the request is sent again, its
     outputs come from the replica chosen then, and the client sees one whole stream."""
-    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    monkeypatch.setattr(migration, "MIGRATION_PAUSE_S", 0.001)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     token_ids = tokenizer.encode("hello world again", add_special_tokens=False)
     engine = _StandInEngine(num_failing_calls=1)

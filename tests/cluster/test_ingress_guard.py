@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from pagedray.cluster import replica_watch, serve_engine_client
+from pagedray.cluster import migration, replica_watch
 from pagedray.cluster.engine_control import EngineControl
 from pagedray.cluster.serve_engine_client import ServeEngineClient
 from pagedray.engine.output_processor import ChoiceDelta
@@ -305,8 +305,8 @@ def test_a_request_its_engine_failed_before_any_output_is_sent_again(
     """A replica that died, or an engine that aborted the request from outside, before any of
     its output reached the client: the request goes again (up to the limit), and the client
     sees only the answer; past the limit it sees the failure; its own failures are final."""
-    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
-    monkeypatch.setattr(serve_engine_client, "MIGRATION_ROUTE_S", 0.05)
+    monkeypatch.setattr(migration, "MIGRATION_PAUSE_S", 0.001)
+    monkeypatch.setattr(migration, "MIGRATION_ROUTE_S", 0.05)
     died = RuntimeError("ActorDiedError: worker pid=1234 at 10.0.0.7 exited")
     aborted = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.ABORTED, "aborted"))
     delta = ChoiceDelta("cmpl-7", 0, "", [5], None, "length", None)
@@ -340,7 +340,7 @@ def test_a_request_its_engine_failed_before_any_output_is_sent_again(
 def test_a_request_longer_than_migration_max_seq_len_does_not_move(
     caplog: pytest.LogCaptureFixture, unary: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    monkeypatch.setattr(migration, "MIGRATION_PAUSE_S", 0.001)
     died = RuntimeError("ActorDiedError: the replica exited")
     # The second engine's answer: a failure of the request's own, final (the fake's channel
     # brings no output for a stream).
@@ -361,7 +361,7 @@ def test_a_request_on_a_replica_that_stops_answering_moves(
 ) -> None:
     """The replica holding the request answers neither the request nor the ingress's probe:
     the watch takes it out of routing and the request moves, counted as `stalled`."""
-    monkeypatch.setattr(serve_engine_client, "MIGRATION_PAUSE_S", 0.001)
+    monkeypatch.setattr(migration, "MIGRATION_PAUSE_S", 0.001)
     monkeypatch.setattr(replica_watch, "PROBE_PERIOD_S", 0.01)
     monkeypatch.setattr(replica_watch, "UNANSWERED_S", 0.05)
     monkeypatch.setattr(replica_watch, "UNHEALTHY_REPLICA_IDS", set())
