@@ -90,6 +90,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         super().update_replicas(replicas)
         self._live_replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
         kv_views.KV_VIEWS.set_live_replicas(self._live_replica_ids)
+        replica_watch.set_live_replicas(self._live_replica_ids)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         # NOTE: Serve drops a replica whose call failed with ActorDiedError here, well before
@@ -97,6 +98,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._live_replica_ids = self._live_replica_ids - {replica_id.unique_id}
         kv_views.KV_VIEWS.set_live_replicas(self._live_replica_ids)
+        replica_watch.set_live_replicas(self._live_replica_ids)
 
     async def choose_replicas(
         self,

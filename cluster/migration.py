@@ -11,6 +11,7 @@ runs) and `choice_request` (one choice of a forked request as a request of its o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -90,8 +91,8 @@ class MigrationPolicy:
 
 class Placements:
     """Where a request's attempts went, as its router names them (on the router's thread,
-    handed to this loop), each held in the `ReplicaWatch` while it runs; and the replicas the
-    watch found making no progress with it."""
+    handed to this loop), each held in the `ReplicaWatch` while its attempt runs; and the
+    replicas the watch found making no progress with it."""
 
     def __init__(
         self,
@@ -106,9 +107,11 @@ class Placements:
         self.watch = watch
         self.abandon = abandon
         self.on_place = on_place
-        self.replica_ids: list[str] = []
+        self.replica_ids: list[str] = []  # of every attempt, in order
         self.stalled_on: set[str] = set()
         self.routed = asyncio.Event()
+        self._attempt_open = False
+        self._held: list[str] = []  # the running attempt's replicas (Serve may route it twice)
         loop = asyncio.get_running_loop()
 
         def on_routed(replica_id: str) -> None:  # on the router's thread
@@ -118,11 +121,15 @@ class Placements:
 
     def start_attempt(self) -> None:
         self.routed.clear()
+        self._attempt_open = True
 
     def end_attempt(self) -> None:
-        """The attempt is over: its replica no longer holds it for the watch."""
-        if self.replica_ids:
-            self.watch.release(self.replica_ids[-1], self.request_id)
+        """The attempt is over: no replica holds it for the watch any more, and a placement
+        the router still hands over is ignored."""
+        self._attempt_open = False
+        for replica_id in self._held:
+            self.watch.release(replica_id, self.request_id)
+        self._held = []
 
     def move_of(self, failure: RequestFailure | None) -> Move:
         """The move the last attempt's failure calls for."""
@@ -147,14 +154,19 @@ class Placements:
         return True
 
     def _place(self, replica_id: str) -> None:
+        if not self._attempt_open:
+            return  # its attempt ended while the router's word travelled
         if self.on_place is not None:
             self.on_place(replica_id)
         self.replica_ids.append(replica_id)
-        self.watch.hold(replica_id, self.request_id, self._abandon)
+        self._held.append(replica_id)
+        self.watch.hold(replica_id, self.request_id, functools.partial(self._abandon, replica_id))
         self.routed.set()
 
-    def _abandon(self, why: str) -> None:
-        self.stalled_on.update(self.replica_ids[-1:])
+    def _abandon(self, replica_id: str, why: str) -> None:
+        if self.replica_ids[-1:] != [replica_id]:
+            return  # a replica Serve routed the attempt away from: not where it runs
+        self.stalled_on.add(replica_id)
         self.abandon(why)
 
 

@@ -8,11 +8,13 @@ routes requests to it. So while a replica holds requests of ours, this process p
 - an answer naming a stall: its step loop runs one step far longer than its recent ones (a
   hung collective, a stuck worker; `AsyncEngine.stalled`).
 Either way the replica is marked unhealthy, which the router reads (`UNHEALTHY_REPLICA_IDS`)
-and routes around while another replica is there, and every request of ours on it fails as
-its engine's failure would (`FailureKind.DEAD`): the engine client sends it again, resumed
-from what its client has (cluster/serve_engine_client.py). Probing goes on; the first healthy
-answer puts the replica back in routing. A replica that died is not this module's: its calls
-fail at once.
+and routes around while another replica is there; and while another live replica that is not
+marked is there, every request of ours on it fails as its engine's failure would
+(`FailureKind.DEAD`): the engine client sends it again, resumed from what its client has
+(cluster/serve_engine_client.py). With no other replica its requests stay (a slow step is not
+worth failing them for; Serve's health check judges a replica that never answers). Probing goes
+on; the first healthy answer puts the replica back in routing. A replica that died is not this
+module's: its calls fail at once.
 """
 
 from __future__ import annotations
@@ -33,8 +35,17 @@ PROBE_PERIOD_S = 1.0
 UNANSWERED_S = 3.0
 
 # This process's unhealthy engine replicas, by id: written here, read by the router that Serve
-# builds in this process (see cluster/kv_views.py for why a module global).
+# builds in this process (see cluster/kv_views.py for why a module global); and the live ones,
+# as the router last saw them.
 UNHEALTHY_REPLICA_IDS: set[str] = set()
+LIVE_REPLICA_IDS: frozenset[str] = frozenset()
+
+
+def set_live_replicas(replica_ids: frozenset[str]) -> None:
+    """The router's word on which engine replicas are live (called on its thread)."""
+    global LIVE_REPLICA_IDS
+    LIVE_REPLICA_IDS = replica_ids
+
 
 Fail = Callable[[str], None]  # fails one request, given why
 
@@ -43,11 +54,9 @@ class ReplicaWatch:
     """The requests of this ingress replica by engine replica, and a probe of each replica
     while it holds any."""
 
-    def __init__(self, engine: Any, on_unhealthy: Callable[[str], None] | None = None) -> None:
-        """`engine`: a handle to the engine deployment (routed by `EngineRequestRouter`);
-        `on_unhealthy(replica_id)` is told of each replica found unhealthy (metrics)."""
+    def __init__(self, engine: Any) -> None:
+        """`engine`: a handle to the engine deployment (routed by `EngineRequestRouter`)."""
         self.engine = engine
-        self.on_unhealthy = on_unhealthy
         self._requests: dict[str, dict[str, Fail]] = {}  # replica id -> request id -> fail
         self._probes: dict[str, asyncio.Task[None]] = {}
 
@@ -75,16 +84,19 @@ class ReplicaWatch:
         address = {REPLICA_ID_KWARG: replica_id}
         try:
             while replica_id in self._requests or replica_id in UNHEALTHY_REPLICA_IDS:
-                call = self.engine.liveness.remote(**address)
+                call: Any = None
                 try:
+                    call = self.engine.liveness.remote(**address)
                     stall = await asyncio.wait_for(call, UNANSWERED_S)
                 except asyncio.TimeoutError:
                     call.cancel()
                     stall = f"no answer to a probe within {UNANSWERED_S:g}s"
-                except Exception as exc:  # noqa: BLE001 - it died: its calls fail on their own
+                except Exception as exc:  # noqa: BLE001 - gone, or a call that failed
+                    if replica_id not in LIVE_REPLICA_IDS:  # it died: its calls fail on their own
+                        UNHEALTHY_REPLICA_IDS.discard(replica_id)
+                        return
                     logger.info("engine replica %s: probe failed: %r", replica_id, exc)
-                    UNHEALTHY_REPLICA_IDS.discard(replica_id)
-                    return
+                    stall = None  # it answered, if not as asked: no sign of a stall
                 if stall is None:
                     self._healthy(replica_id)
                 else:
@@ -100,18 +112,19 @@ class ReplicaWatch:
             logger.warning("engine replica %s makes progress again: back in routing", replica_id)
 
     def _unhealthy(self, replica_id: str, stall: str) -> None:
-        held = self._requests.pop(replica_id, {})
         newly = replica_id not in UNHEALTHY_REPLICA_IDS
-        if newly:
-            UNHEALTHY_REPLICA_IDS.add(replica_id)
-            if self.on_unhealthy is not None:
-                self.on_unhealthy(replica_id)
-        if newly or held:
+        UNHEALTHY_REPLICA_IDS.add(replica_id)
+        others = LIVE_REPLICA_IDS - UNHEALTHY_REPLICA_IDS
+        held = self._requests.pop(replica_id, {}) if others else self._requests.get(replica_id, {})
+        if newly or (others and held):
             logger.warning(
-                "engine replica %s makes no progress (%s): out of routing, %d requests move",
+                "engine replica %s makes no progress (%s): out of routing, %d requests %s",
                 replica_id,
                 stall,
                 len(held),
+                "move" if others else "stay (no other replica)",
             )
+        if not others:
+            return
         for request_id, fail in held.items():
             fail(f"engine replica {replica_id} makes no progress ({stall}): {request_id}")

@@ -24,6 +24,7 @@ seconds (`ReplicaWatch`), and its requests move as from a dead one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -134,12 +135,16 @@ class ServeEngineClient:
         yield answer
 
     async def _through_channel(
-        self, request: GenerateRequest
+        self,
+        request: GenerateRequest,
+        moving: tuple[RequestStepOutput, Move, int] | None = None,
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """A streamed request: its outputs from the channel, a refusal or failure from its
         call's answer (or the channel's end, which the call then reports). A failure of the
         engine sends it again (`MigrationPolicy`), resumed from the tokens that reached the
-        caller (n > 1 choices: each from its own, `_resume_choices`)."""
+        caller (n > 1 choices: each from its own, `_resume_choices`). `moving`: a request
+        already on the move (the failure that moved it, the move, its next attempt's number),
+        placed, counted and limited as a request sent again is."""
         request_id = request.request_id
         request.channel_id = self.subscriber.channel_id
         loop = asyncio.get_running_loop()
@@ -159,9 +164,8 @@ class ServeEngineClient:
         # Per choice, the tokens that reached the caller, once any did; the choices finished.
         delivered: dict[int, list[int]] | None = None
         finished_choices: set[int] = set()
-        failure: RequestStepOutput | None = None
-        move: Move | None = None
-        for attempt in itertools.count():
+        failure, move, first_attempt = moving if moving is not None else (None, None, 0)
+        for attempt in itertools.count(first_attempt):
             placements.start_attempt()
             queue: asyncio.Queue[Any] = asyncio.Queue()
             subscriber.register(request_id, queue.put_nowait)
@@ -214,11 +218,12 @@ class ServeEngineClient:
             # with the same seed (see the module).
             placements.leave(request)
             if delivered is not None and request.sampling_params.n != 1:
-                self.migration.count(move)  # as its choices are sent on
-                async for output in self._resume_choices(
-                    request, delivered, finished_choices, failure
-                ):
-                    yield output
+                resumed = self._resume_choices(
+                    request, delivered, finished_choices, (failure, move, attempt + 1)
+                )
+                async with contextlib.aclosing(resumed):
+                    async for output in resumed:
+                        yield output
                 return
             request.output_token_ids = resumed_from + (delivered or {}).get(0, [])
 
@@ -227,13 +232,15 @@ class ServeEngineClient:
         request: GenerateRequest,
         delivered: dict[int, list[int]],
         finished: set[int],
-        failure: RequestStepOutput,
+        moving: tuple[RequestStepOutput, Move, int],
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """A stream of n > 1 choices whose engine failed it once its tokens had begun: each
         unfinished choice goes on as a request of its own, with the seed and the tokens its
         engine gave it after the prompt forked (scheduler/request.py's `fork_child`), through
-        the same moves as any stream; their outputs come back as the choices of this one, and
-        the first failure of one ends them all (as a failed choice ends its request)."""
+        the same moves as any stream (each counted once placed, within the moves left); their
+        outputs come back as the choices of this one, and the first failure of one ends them
+        all (as a failed choice ends its request)."""
+        failure = moving[0]
         choices = [i for i in range(request.sampling_params.n) if i not in finished]
         if any(not delivered.get(i) for i in choices):
             yield failure  # a choice without a token yet: its first draw was its prompt's
@@ -244,8 +251,10 @@ class ServeEngineClient:
             try:
                 choice = choice_request(request, index, delivered[index])
                 self._add_routing_hashes(choice)
-                async for output in self._through_channel(choice):
+                async for output in self._through_channel(choice, moving):
                     queue.put_nowait((index, output))
+            except Exception as exc:  # noqa: BLE001 - a bug here fails the stream, loudly
+                queue.put_nowait((index, broken_call(request.request_id, exc)))
             finally:
                 queue.put_nowait((index, None))
 

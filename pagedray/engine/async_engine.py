@@ -41,6 +41,9 @@ DEFAULT_STUCK_AFTER_S = 120.0
 # `STALL_FLOOR_S`, is taken for a stall (`stalled`): its engine's requests move elsewhere.
 STALL_FACTOR = 10.0
 STALL_FLOOR_S = 10.0
+# Steps the engine must have timed before a step can be a stall: the first ones (kernels
+# compiling, the first long prefills) set what is normal.
+STALL_MIN_STEPS = 16
 # NOTE: Ray drops a gauge not recorded again within two metrics export intervals (20 s by
 # default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
 METRICS_REFRESH_S = 1.0
@@ -166,7 +169,7 @@ class AsyncEngine:
         if self._error is not None or (self._task is not None and self._task.done()):
             return "engine loop stopped"
         started = self._runner.started
-        if started is None:
+        if started is None or self._runner.num_timed_steps < STALL_MIN_STEPS:
             return None
         running_for = time.monotonic() - started
         limit = min(self.stuck_after_s, max(STALL_FLOOR_S, STALL_FACTOR * self._runner.slowest_s))

@@ -24,9 +24,9 @@ from pagedray.engine.step_metrics import StepRecord
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.outputs import EngineCoreOutput
 
-# Per step, how much of the slowest recent step's time `slowest_s` keeps: it forgets a long
-# prefill over a few hundred steps, not at once.
-SLOWEST_DECAY = 0.99
+# Per step, how much of the slowest recent step's time `slowest_s` keeps: a long prefill still
+# counts for a third of its time a thousand steps later.
+SLOWEST_DECAY = 0.999
 
 
 @dataclass
@@ -49,9 +49,10 @@ class StepRunner:
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.started: float | None = None  # time.monotonic() at the start of the running step
-        # The slowest recent step's seconds (decaying): what a step that runs on far longer
-        # than is judged against (`AsyncEngine.stalled`).
+        # The slowest recent step's seconds (decaying), and the steps timed: what a step that
+        # runs on far longer is judged against (`AsyncEngine.stalled`).
         self.slowest_s = 0.0
+        self.num_timed_steps = 0
         self.streaming = True  # whether a request in flight streams (workers/cpu_threads.py)
         self.stopping = False  # the loop is going away: end the run after the running step
         # What a hand-over raised on the loop; it ends the run, and the loop raises it.
@@ -97,6 +98,7 @@ class StepRunner:
         self.started = started = time.monotonic()
         outputs = engine.step(self.streaming)
         self.slowest_s = max(time.monotonic() - started, self.slowest_s * SLOWEST_DECAY)
+        self.num_timed_steps += 1
         record = None
         if engine.num_steps > num_steps:
             record = StepRecord.of(engine, sum(len(o.new_token_ids) for o in outputs))

@@ -365,6 +365,7 @@ def test_a_request_on_a_replica_that_stops_answering_moves(
     monkeypatch.setattr(replica_watch, "PROBE_PERIOD_S", 0.01)
     monkeypatch.setattr(replica_watch, "UNANSWERED_S", 0.05)
     monkeypatch.setattr(replica_watch, "UNHEALTHY_REPLICA_IDS", set())
+    monkeypatch.setattr(replica_watch, "LIVE_REPLICA_IDS", frozenset({"r1", "r2"}))
     late = RequestStepOutput("cmpl-7", error=RequestFailure(FailureKind.TIMEOUT, "late"))
     handle = _FakeHandle(late, wedged=frozenset({"r1"}))
     migrations: list[str] = []
@@ -372,6 +373,30 @@ def test_a_request_on_a_replica_that_stops_answering_moves(
     assert handle.num_calls == 2 and outputs[-1].error == late.error  # the second replica's
     assert migrations == ["stalled"] and "r1 makes no progress" in caplog.text
     assert {"r1"} == replica_watch.UNHEALTHY_REPLICA_IDS  # out of routing until it answers
+
+
+def test_a_stalled_replica_keeps_its_requests_until_another_replica_is_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no other live replica a request has nowhere to go: a replica that stops answering
+    is marked (and routed around once another comes) but keeps its requests until then."""
+    monkeypatch.setattr(replica_watch, "PROBE_PERIOD_S", 0.01)
+    monkeypatch.setattr(replica_watch, "UNANSWERED_S", 0.05)
+    monkeypatch.setattr(replica_watch, "UNHEALTHY_REPLICA_IDS", set())
+    monkeypatch.setattr(replica_watch, "LIVE_REPLICA_IDS", frozenset({"r1"}))
+
+    async def run() -> list[str]:
+        watch = replica_watch.ReplicaWatch(_FakeHandle(None, wedged=frozenset({"r1"})))
+        failed: list[str] = []
+        watch.hold("r1", "cmpl-7", failed.append)
+        await asyncio.sleep(0.3)
+        assert failed == [] and {"r1"} == replica_watch.UNHEALTHY_REPLICA_IDS
+        replica_watch.set_live_replicas(frozenset({"r1", "r2"}))
+        await asyncio.sleep(0.3)
+        return failed
+
+    failed = asyncio.run(run())
+    assert len(failed) == 1 and "r1 makes no progress" in failed[0]
 
 
 @pytest.mark.parametrize("unary", [False, True], ids=["streamed", "unary"])

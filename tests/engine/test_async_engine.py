@@ -150,6 +150,7 @@ def test_a_step_far_slower_than_the_recent_ones_is_a_stall(
     """`stalled` judges the running step against the slowest recent one (a hung collective
     shows long before `stuck_after_s`), and clears once the engine steps again."""
     monkeypatch.setattr(async_engine_module, "STALL_FLOOR_S", 0.3)
+    monkeypatch.setattr(async_engine_module, "STALL_MIN_STEPS", 2)
 
     async def run() -> None:
         engine, tokenizer = _engine(tiny_llama)
