@@ -171,22 +171,12 @@ class Scheduler:
             if req.grammar is not None and not req.grammar.ready():
                 idx += 1
                 continue
-            if req.grammar is not None and req.grammar.error is not None:
-                refusal = RequestFailure(
-                    FailureKind.INVALID, req.grammar.error, param="structured_outputs"
-                )
+            grammar_error = _grammar_error(req)
+            if grammar_error is not None:
+                refusal = RequestFailure(FailureKind.INVALID, grammar_error, "structured_outputs")
                 self.pending_outputs.append(self._error_output(req, refusal))
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 continue
-            if req.grammar is not None and req.unreplayed_token_ids:
-                # A resumed output: the grammar's state is where those tokens left it.
-                replayed, req.unreplayed_token_ids = req.unreplayed_token_ids, []
-                if not req.grammar.accept(replayed):
-                    message = "the resumed output does not match its structured_outputs"
-                    refusal = RequestFailure(FailureKind.INVALID, message, "structured_outputs")
-                    self.pending_outputs.append(self._error_output(req, refusal))
-                    self._finish(req, RequestStatus.FINISHED_ERROR)
-                    continue
             req_num_seqs = num_seqs(req)
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
@@ -407,6 +397,21 @@ class Scheduler:
             "peak_num_running": self.peak_num_running,
             "peak_kv_usage": self.peak_kv_usage,
         }
+
+
+def _grammar_error(req: Request) -> str | None:
+    """Why a compiled grammar refuses `req` at admission: it failed to compile, or a resumed
+    output (replayed here, once, so the grammar's state is where those tokens left it) does not
+    match it."""
+    if req.grammar is None:
+        return None
+    if req.grammar.error is not None:
+        return req.grammar.error
+    if req.unreplayed_token_ids:
+        replayed, req.unreplayed_token_ids = req.unreplayed_token_ids, []
+        if not req.grammar.accept(replayed):
+            return "the resumed output does not match its structured_outputs"
+    return None
 
 
 def _prompt_hit(req: Request) -> int:
