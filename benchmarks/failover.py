@@ -4,14 +4,16 @@ A real `pagedray serve` with two engine replicas serves concurrent streamed comp
 greedy and seeded sampling, n = 2, a JSON schema, stop strings and logprobs. They run once
 undisturbed (the reference), then once per fault, the fault striking one engine replica when
 about a third of the tokens are out: SIGKILL (a crash), SIGSTOP (alive but answering nothing,
-until the streams end). Per fault it prints the requests that failed, those whose text (every
-choice) or chosen tokens' logprobs differ from the reference, the JSON outputs that do not parse
-(of those that finished), each request's longest pause between two chunks (p50 / p99, against
-the reference's), and how long until two engine replicas serve again. Last, the ingress
-replica is SIGKILLed with no load: the seconds until a completion is answered again.
+until the streams end). The ingress replica is SIGKILLed next, with no load: the seconds until
+a completion is answered again. Last, a second server at TP = 2 (each engine's ranks are
+actors of their own), where one rank's process is SIGKILLed (its engine dies with it). Per
+fault it prints the requests that failed, those whose text (every choice) or chosen tokens'
+logprobs differ from the reference, the JSON outputs that do not parse (of those that
+finished), each request's longest pause between two chunks (p50 / p99, against the
+reference's), and how long until two engine replicas serve again.
 
     .venv/bin/python benchmarks/failover.py                       # the default model
-    .venv/bin/python benchmarks/failover.py --requests 24 --max-tokens 48
+    .venv/bin/python benchmarks/failover.py --requests 24 --max-tokens 48 --tp2-requests 0
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ def wait_for_replicas(url: str, count: int, since: float) -> float | None:
 @dataclass
 class FaultFigures:
     name: str
+    num_requests: int
     failed: int
     differ: dict[str, int]
     json_invalid: int
@@ -231,6 +234,7 @@ def compare(
     pauses = sorted(record.longest_pause_s for record in records if not record.failed)
     return FaultFigures(
         name,
+        len(records),
         sum(record.failed for record in records),
         differ,
         json_invalid,
@@ -266,34 +270,61 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def engine_pid(server: ServeProcess) -> int:
-    return server.processes("PagedRayEngine")[0]
+@dataclass(frozen=True)
+class Fault:
+    """A fault: the signal, and the processes of the server it may strike (the first is)."""
+
+    name: str
+    marker: str  # in the victim's command line
+    signum: signal.Signals
+
+
+# At TP = 1 the rank runs in the engine replica's process; at TP = 2 the ranks are actors.
+ENGINE_FAULTS = (
+    Fault("SIGKILL engine", "PagedRayEngine", signal.SIGKILL),
+    Fault("SIGSTOP engine", "PagedRayEngine", signal.SIGSTOP),
+)
+TP2_FAULTS = (Fault("SIGKILL TP worker (TP = 2)", "WorkerActor", signal.SIGKILL),)
 
 
 def run_fault(
-    server: ServeProcess, name: str, args: argparse.Namespace, reference: list[StreamRecord]
+    server: ServeProcess, fault: Fault, args: argparse.Namespace, reference: list[StreamRecord]
 ) -> FaultFigures:
     wait_for_replicas(server.url, 2, time.monotonic())
     time.sleep(2.0)  # the ingress's router hears of a new replica
-    victim = engine_pid(server)
+    victim = server.processes(fault.marker)[0]
     struck_at: list[float] = []
 
     def strike() -> None:
-        os.kill(victim, signal.SIGKILL if name == "SIGKILL engine" else signal.SIGSTOP)
+        os.kill(victim, fault.signum)
         struck_at.append(time.monotonic())
 
     try:
-        records = run_all(server.url, args.requests, args.max_tokens, strike)
+        records = run_all(server.url, len(reference), args.max_tokens, strike)
     finally:
-        if name == "SIGSTOP engine":
+        if fault.signum == signal.SIGSTOP:
             os.kill(victim, signal.SIGCONT)
     replacement_s = None
-    if name == "SIGKILL engine" and struck_at:
+    if fault.signum == signal.SIGKILL and struck_at:
         replacement_s = wait_for_replicas(server.url, 2, struck_at[0])
     for record in records:
         if record.failed:
-            print(f"  {name}: a {record.kind} request failed: {record.error}", file=sys.stderr)
-    return compare(name, records, reference, replacement_s)
+            failure = f"a {record.kind} request failed: {record.error}"
+            print(f"  {fault.name}: {failure}", file=sys.stderr)
+    return compare(fault.name, records, reference, replacement_s)
+
+
+def run_faults(
+    server: ServeProcess, faults: tuple[Fault, ...], args: argparse.Namespace, num_requests: int
+) -> tuple[list[StreamRecord], list[FaultFigures]]:
+    """The undisturbed reference run on `server`, then each fault's run against it."""
+    started = time.monotonic()
+    reference = run_all(server.url, num_requests, args.max_tokens, None)
+    print(
+        f"reference: {num_requests} streams in {time.monotonic() - started:.1f} s, "
+        f"{sum(r.failed for r in reference)} failed"
+    )
+    return reference, [run_fault(server, fault, args, reference) for fault in faults]
 
 
 def ingress_kill(server: ServeProcess) -> float | None:
@@ -319,37 +350,37 @@ def main() -> int:
     parser.add_argument("model", nargs="?", default=None, help="default: the built default model")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--tp2-requests", type=int, default=32, help="streams of the TP = 2 run (0: no such run)"
+    )
     args = parser.parse_args()
     flags = ["--served-model-name", MODEL, "--num-replicas", "2", "--max-num-seqs", "64"]
     with pagedray_serve(args.model, *flags, start_timeout_s=300) as server:
-        started = time.monotonic()
-        reference = run_all(server.url, args.requests, args.max_tokens, None)
-        print(
-            f"reference: {args.requests} streams in {time.monotonic() - started:.1f} s, "
-            f"{sum(r.failed for r in reference)} failed"
-        )
-        ref_pauses = sorted(r.longest_pause_s for r in reference if not r.failed)
-        figures = [
-            run_fault(server, name, args, reference)
-            for name in ("SIGKILL engine", "SIGSTOP engine")
-        ]
+        reference, figures = run_faults(server, ENGINE_FAULTS, args, args.requests)
         wait_for_replicas(server.url, 2, time.monotonic())
         unavailable_s = ingress_kill(server)
+    tp2: list[FaultFigures] = []
+    if args.tp2_requests > 0:
+        tp2_flags = [*flags, "--tensor-parallel-size", "2"]
+        with pagedray_serve(args.model, *tp2_flags, start_timeout_s=300) as server:
+            tp2 = run_faults(server, TP2_FAULTS, args, args.tp2_requests)[1]
+    ref_pauses = sorted(r.longest_pause_s for r in reference if not r.failed)
     print(
-        f"\n{args.requests} streamed requests ({', '.join(KINDS)}), {args.max_tokens} tokens each, "
-        f"2 engine replicas; longest pause per request undisturbed: "
-        f"p50 {_quantile(ref_pauses, 0.5):.2f} s, p99 {_quantile(ref_pauses, 0.99):.2f} s\n"
+        f"\n{args.requests} streamed requests ({', '.join(KINDS)}; {args.tp2_requests} at TP = 2), "
+        f"{args.max_tokens} tokens each, 2 engine replicas; longest pause per request "
+        f"undisturbed: p50 {_quantile(ref_pauses, 0.5):.2f} s, "
+        f"p99 {_quantile(ref_pauses, 0.99):.2f} s\n"
     )
     print(
         "| fault | failed | differ from the reference | JSON invalid "
         f"| longest pause p50 / p99 | paused > {PAUSED_S:g} s | two replicas again |"
     )
     print("|---|---|---|---|---|---|---|")
-    for f in figures:
+    for f in figures + tp2:
         differ = ", ".join(f"{kind} {n}" for kind, n in sorted(f.differ.items())) or "0"
         again = "-" if f.replacement_s is None else f"{f.replacement_s:.1f} s"
         print(
-            f"| {f.name} | {f.failed} / {args.requests} | {differ} | {f.json_invalid} | "
+            f"| {f.name} | {f.failed} / {f.num_requests} | {differ} | {f.json_invalid} | "
             f"{f.pause_p50:.2f} / {f.pause_p99:.2f} s | {f.paused} | {again} |"
         )
     shown = "never" if unavailable_s is None else f"{unavailable_s:.1f} s"

@@ -21,9 +21,12 @@ def slow_engine_builder(step_sleep_s: float) -> Any:
     def slow_builder(config: Any) -> tuple[Any, Any, Any, Any]:
         import time
 
+        from pagedray.cluster.ray_executor import executor_factory
         from pagedray.engine.engine_factory import build_engine
 
-        engine, executor, tokenizer, validator = build_engine(config)
+        # As the engine replica's own builder: ranks in its process, or actors at TP > 1.
+        make_executor = executor_factory(config)
+        engine, executor, tokenizer, validator = build_engine(config, make_executor=make_executor)
         execute_model = executor.execute_model
 
         def slow_execute_model(scheduler_output: Any) -> Any:

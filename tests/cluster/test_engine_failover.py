@@ -10,16 +10,20 @@ or stopped (SIGSTOP: alive, but answering nothing, as a wedged process).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
+from _failover import (
+    TIMEOUT_S,
+    replicas,
+    strike_mid_stream,
+    survivors_hold_no_block,
+    two_replicas_serving,
+)
 from _serve_apps import deploy_app
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +34,6 @@ APP = "failover"
 STEP_SLEEP_S = 0.05
 MAX_TOKENS = 48  # about 2.5 s a request: still running when the replica dies
 NUM_REQUESTS = 8
-TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +54,6 @@ def url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     yield from deploy_app(serve_url, APP, app)
 
 
-def _replicas(url: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{url}/stats", timeout=30)
-    return response.json()["replicas"] if response.status_code == 200 else []
-
-
-def _two_replicas_serving(url: str) -> None:
-    """Wait until both engine replicas serve (an earlier test's victim has been replaced), and
-    a moment more for the ingress's router to hear of the new one."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(_replicas(url)) != 2:
-        assert time.monotonic() < deadline, "no second engine replica"
-        time.sleep(0.2)
-    time.sleep(2.0)
-
-
 def _complete(url: str, index: int) -> tuple[int, str]:
     body = {
         "model": MODEL,
@@ -77,29 +65,6 @@ def _complete(url: str, index: int) -> tuple[int, str]:
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S)
     text = response.json()["choices"][0]["text"] if response.status_code == 200 else response.text
     return response.status_code, text
-
-
-def _stream(url: str, body: dict[str, Any], chunks: list[tuple[int, str]]) -> str | None:
-    """Stream a completion, appending each chunk's (choice index, text) to `chunks` as it comes;
-    returns the error event's message, if one came."""
-    body = {**body, "model": MODEL, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as reply:
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            if "error" in event:
-                return str(event["error"])
-            chunks.extend((choice["index"], choice["text"]) for choice in event["choices"])
-    return None
-
-
-def _texts(chunks: list[tuple[int, str]]) -> dict[int, str]:
-    """Each choice's text."""
-    texts: dict[int, str] = {}
-    for index, text in chunks:
-        texts[index] = texts.get(index, "") + text
-    return texts
 
 
 def _replica_actor(replica_id: str) -> Any:
@@ -122,7 +87,7 @@ def _replica_pid(replica_id: str) -> int:
 
 
 def test_requests_on_a_killed_engine_replica_are_answered_by_the_other(url: str) -> None:
-    _two_replicas_serving(url)
+    two_replicas_serving(url)
     indices = list(range(NUM_REQUESTS))
     with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
         expected = list(pool.map(lambda i: _complete(url, i), indices))
@@ -132,7 +97,7 @@ def test_requests_on_a_killed_engine_replica_are_answered_by_the_other(url: str)
         futures = [pool.submit(_complete, url, i) for i in indices]
         deadline = time.monotonic() + 30
         while True:  # both replicas hold requests: the killed one takes some with it
-            running = {r["replica_id"]: r["num_running"] for r in _replicas(url)}
+            running = {r["replica_id"]: r["num_running"] for r in replicas(url)}
             if len(running) == 2 and all(n > 0 for n in running.values()):
                 break
             assert time.monotonic() < deadline, running
@@ -175,7 +140,7 @@ def test_a_stream_whose_engine_dies_goes_on_token_exact(url: str, sampling: dict
     the JSON goes on where it was, neither restarted nor duplicated; each of n choices goes on
     from its own tokens)."""
     body = {"prompt": "a stream that outlives its engine:", "max_tokens": 60, **sampling}
-    struck = _strike_mid_stream(url, body, 10, _kill_replica)
+    struck = strike_mid_stream(url, MODEL, body, 10, _kill_replica)
     assert struck.error is None
     assert struck.texts == struck.expected and struck.num_chunks > 10
 
@@ -198,7 +163,7 @@ def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: s
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
 
-    struck = _strike_mid_stream(url, body, 10, stop, resume)
+    struck = strike_mid_stream(url, MODEL, body, 10, stop, resume)
     assert struck.error is None
     assert struck.texts == struck.expected and struck.num_chunks > 10
     assert struck.ended_after_s < HEALTH_CHECK_TIMEOUT_S
@@ -213,59 +178,6 @@ def test_a_stream_killed_at_any_point_goes_on_and_the_survivor_leaks_no_block(
     idle the surviving replica holds no KV block."""
     body = {"prompt": "a stream killed at a drawn point:", "max_tokens": 56, "temperature": 0}
     body["ignore_eos"] = True
-    struck = _strike_mid_stream(url, body, kill_after, _kill_replica)
+    struck = strike_mid_stream(url, MODEL, body, kill_after, _kill_replica)
     assert struck.error is None and struck.texts == struck.expected
-    deadline = time.monotonic() + 30
-    while True:  # the survivor, idle: every block free
-        survivors = [r for r in _replicas(url) if r["replica_id"] != struck.victim]
-        held = sum(r["num_kv_blocks"] - r["num_free_blocks"] for r in survivors)
-        if survivors and held == 0 and all(r["num_requests"] == 0 for r in survivors):
-            break
-        assert time.monotonic() < deadline, survivors
-        time.sleep(0.2)
-
-
-@dataclass
-class StruckStream:
-    """A stream whose engine replica was struck mid-way, and the same request undisturbed."""
-
-    expected: dict[int, str]  # each choice's text, undisturbed
-    texts: dict[int, str]  # each choice's text, struck
-    num_chunks: int
-    error: str | None  # the error event, if one came
-    victim: str  # the replica struck
-    ended_after_s: float  # from the strike to the stream's end
-
-
-def _strike_mid_stream(
-    url: str,
-    body: dict[str, Any],
-    after_chunks: int,
-    strike: Callable[[str], None],
-    recover: Callable[[], None] = lambda: None,
-) -> StruckStream:
-    """Stream `body` once undisturbed, then again, calling `strike(replica id)` on the replica
-    holding it once `after_chunks` chunks have come; `recover()` once the stream has ended."""
-    _two_replicas_serving(url)
-    expected: list[tuple[int, str]] = []
-    assert _stream(url, body, expected) is None
-    chunks: list[tuple[int, str]] = []
-    errors: list[str | None] = []
-    reader = threading.Thread(target=lambda: errors.append(_stream(url, body, chunks)))
-    reader.start()
-    deadline = time.monotonic() + 30
-    while len(chunks) < after_chunks:
-        assert time.monotonic() < deadline and reader.is_alive(), chunks
-        time.sleep(0.01)
-    [victim] = [r["replica_id"] for r in _replicas(url) if r["num_running"] > 0]
-    strike(victim)
-    struck_at = time.monotonic()
-    try:
-        reader.join(TIMEOUT_S)
-        ended_after_s = time.monotonic() - struck_at
-    finally:
-        recover()
-    assert errors, "the stream did not end"
-    return StruckStream(
-        _texts(expected), _texts(chunks), len(chunks), errors[0], victim, ended_after_s
-    )
+    survivors_hold_no_block(url, struck.victim)

@@ -1,0 +1,114 @@
+"""What the failover tests share (issue P14): an app's engine replicas, a stream read chunk by
+chunk, and a stream struck mid-way (its engine replica killed or stopped) beside the same
+request undisturbed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import httpx
+
+TIMEOUT_S = 120.0
+
+
+def replicas(url: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{url}/stats", timeout=30)
+    return response.json()["replicas"] if response.status_code == 200 else []
+
+
+def two_replicas_serving(url: str) -> None:
+    """Wait until two healthy engine replicas serve (an earlier test's victim has been replaced:
+    one whose rank died is listed, unhealthy, until Serve stops it), and a moment more for the
+    ingress's router to hear of the new one."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while sum(replica.get("healthy", False) for replica in replicas(url)) != 2:
+        assert time.monotonic() < deadline, "no second engine replica"
+        time.sleep(0.2)
+    time.sleep(2.0)
+
+
+def survivors_hold_no_block(url: str, victim: str) -> None:
+    """Wait until the replicas other than `victim` are idle with every KV block free."""
+    deadline = time.monotonic() + 30
+    while True:
+        survivors = [r for r in replicas(url) if r["replica_id"] != victim]
+        held = sum(r["num_kv_blocks"] - r["num_free_blocks"] for r in survivors)
+        if survivors and held == 0 and all(r["num_requests"] == 0 for r in survivors):
+            return
+        assert time.monotonic() < deadline, survivors
+        time.sleep(0.2)
+
+
+def stream(url: str, model: str, body: dict[str, Any], chunks: list[tuple[int, str]]) -> str | None:
+    """Stream a completion, appending each chunk's (choice index, text) to `chunks` as it comes;
+    returns the error event's message, if one came."""
+    body = {**body, "model": model, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                return str(event["error"])
+            chunks.extend((choice["index"], choice["text"]) for choice in event["choices"])
+    return None
+
+
+def texts(chunks: list[tuple[int, str]]) -> dict[int, str]:
+    """Each choice's text."""
+    by_choice: dict[int, str] = {}
+    for index, text in chunks:
+        by_choice[index] = by_choice.get(index, "") + text
+    return by_choice
+
+
+@dataclass
+class StruckStream:
+    """A stream whose engine replica was struck mid-way, and the same request undisturbed."""
+
+    expected: dict[int, str]  # each choice's text, undisturbed
+    texts: dict[int, str]  # each choice's text, struck
+    num_chunks: int
+    error: str | None  # the error event, if one came
+    victim: str  # the replica struck
+    ended_after_s: float  # from the strike to the stream's end
+
+
+def strike_mid_stream(
+    url: str,
+    model: str,
+    body: dict[str, Any],
+    after_chunks: int,
+    strike: Callable[[str], None],
+    recover: Callable[[], None] = lambda: None,
+) -> StruckStream:
+    """Stream `body` to `model` once undisturbed, then again, calling `strike(replica id)` on
+    the replica holding it once `after_chunks` chunks have come; `recover()` once the stream has
+    ended."""
+    two_replicas_serving(url)
+    expected: list[tuple[int, str]] = []
+    assert stream(url, model, body, expected) is None
+    chunks: list[tuple[int, str]] = []
+    errors: list[str | None] = []
+    reader = threading.Thread(target=lambda: errors.append(stream(url, model, body, chunks)))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(chunks) < after_chunks:
+        assert time.monotonic() < deadline and reader.is_alive(), chunks
+        time.sleep(0.01)
+    [victim] = [r["replica_id"] for r in replicas(url) if r["num_running"] > 0]
+    strike(victim)
+    struck_at = time.monotonic()
+    try:
+        reader.join(TIMEOUT_S)
+        ended_after_s = time.monotonic() - struck_at
+    finally:
+        recover()
+    assert errors, "the stream did not end"
+    return StruckStream(
+        texts(expected), texts(chunks), len(chunks), errors[0], victim, ended_after_s
+    )
