@@ -4,13 +4,14 @@ A real `pagedray serve` with two engine replicas serves concurrent streamed comp
 greedy and seeded sampling, n = 2, a JSON schema, stop strings and logprobs. They run once
 undisturbed (the reference), then once per fault, the fault striking one engine replica when
 about a third of the tokens are out: SIGKILL (a crash), SIGSTOP (alive but answering nothing,
-until the streams end). The ingress replica is SIGKILLed next, with no load: the seconds until
-a completion is answered again. Last, a second server at TP = 2 (each engine's ranks are
-actors of their own), where one rank's process is SIGKILLed (its engine dies with it). Per
-fault it prints the requests that failed, those whose text (every choice) or chosen tokens'
-logprobs differ from the reference, the JSON outputs that do not parse (of those that
-finished), each request's longest pause between two chunks (p50 / p99, against the
-reference's), and how long until two engine replicas serve again.
+until the streams end). The ingress replica is SIGKILLed next, with no load: the seconds until a
+completion is answered again (then the same on a server with two ingress replicas sharing the
+API port). Last, a server at TP = 2 (each engine's ranks are actors of their own), where one
+rank's process is SIGKILLed (its engine dies with it). Per fault it prints the requests that
+failed, those whose text (every choice) or chosen tokens' logprobs differ from the reference,
+the JSON outputs that do not parse (of those that finished), each request's longest pause
+between two chunks (p50 / p99, against the reference's), and how long until two engine replicas
+serve again.
 
     .venv/bin/python benchmarks/failover.py                       # the default model
     .venv/bin/python benchmarks/failover.py --requests 24 --max-tokens 48 --tp2-requests 0
@@ -328,8 +329,7 @@ def run_faults(
 
 
 def ingress_kill(server: ServeProcess) -> float | None:
-    [pid] = server.processes("OpenAIIngress")
-    os.kill(pid, signal.SIGKILL)
+    os.kill(server.processes("OpenAIIngress")[0], signal.SIGKILL)
     killed_at = time.monotonic()
     body = {"model": MODEL, "prompt": "back?", "max_tokens": 4}
     while time.monotonic() - killed_at < REPLACEMENT_TIMEOUT_S:
@@ -353,12 +353,23 @@ def main() -> int:
     parser.add_argument(
         "--tp2-requests", type=int, default=32, help="streams of the TP = 2 run (0: no such run)"
     )
+    parser.add_argument(
+        "--no-shared-ingress",
+        dest="shared_ingress",
+        action="store_false",
+        help="no run with 2 ingress replicas sharing the API port",
+    )
     args = parser.parse_args()
     flags = ["--served-model-name", MODEL, "--num-replicas", "2", "--max-num-seqs", "64"]
     with pagedray_serve(args.model, *flags, start_timeout_s=300) as server:
         reference, figures = run_faults(server, ENGINE_FAULTS, args, args.requests)
         wait_for_replicas(server.url, 2, time.monotonic())
         unavailable_s = ingress_kill(server)
+    shared_s = None
+    if args.shared_ingress:
+        shared_flags = [*flags, "--num-ingress-replicas", "2"]
+        with pagedray_serve(args.model, *shared_flags, start_timeout_s=300) as server:
+            shared_s = ingress_kill(server)
     tp2: list[FaultFigures] = []
     if args.tp2_requests > 0:
         tp2_flags = [*flags, "--tensor-parallel-size", "2"]
@@ -385,6 +396,9 @@ def main() -> int:
         )
     shown = "never" if unavailable_s is None else f"{unavailable_s:.1f} s"
     print(f"\nSIGKILL of the ingress replica (no load): a completion answered again after {shown}")
+    if args.shared_ingress:
+        shown = "never" if shared_s is None else f"{shared_s:.1f} s"
+        print(f"the same with 2 ingress replicas on the API port: after {shown}")
     return 0
 
 

@@ -9,7 +9,8 @@ with the one-port range `pagedray serve` gives it every later replica fails too
 (`NoAvailablePortError`). A restart soon after a stop never served. With SO_REUSEADDR the bind
 succeeds through TIME_WAIT (Linux asks it of both sockets: the new one and the stopped server's,
 which had it too, being this fix's) and still fails while another socket listens there;
-SO_REUSEPORT, which would let two servers share the port, stays off. The replica starts its
+SO_REUSEPORT, which lets several servers share the port, is set only where the ingress replicas
+share the API port on purpose (cluster/shared_api_port.py). The replica starts its
 server after our constructor has run, so the constructor installs this in time.
 """
 
@@ -21,6 +22,8 @@ from typing import Any, Callable
 
 import ray.serve._private.http_util as serve_http_util
 import ray.serve._private.replica as serve_replica
+
+from pagedray.cluster.shared_api_port import sharing
 
 logger = logging.getLogger(__name__)
 _INSTALLED = "_pagedray_reuses_address"
@@ -38,6 +41,8 @@ class _AddressReusingSockets:
     def socket(*args: Any, **kwargs: Any) -> socket.socket:
         sock = socket.socket(*args, **kwargs)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sharing():  # every ingress replica listens on the API port (shared_api_port.py)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         return sock
 
 

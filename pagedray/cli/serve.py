@@ -27,6 +27,7 @@ from pagedray.cli.serve_runtime import (
     wait_until_ready,
 )
 from pagedray.cluster.server_config import ServerConfig
+from pagedray.cluster.shared_api_port import SETUP_HOOK
 from pagedray.engine.config import validated
 from pagedray.workers.cpu_scheduling import serve_under_batch_policy
 from pagedray.workers.cpu_threads import serving_thread_counts
@@ -255,9 +256,13 @@ def _start_ray(ray: Any, args: argparse.Namespace, settings: ServerConfig, local
     num_cpus = settings.max_engines * (1 + settings.tensor_parallel_size) + 1  # + the ingress
     metrics_host = args.metrics_host or args.host
     say("starting a local Ray")
+    # NOTE: several ingress replicas share the API port through a patch of Serve's controller,
+    # installed as it starts by this job's worker setup hook (cluster/shared_api_port.py).
+    hook = {"worker_process_setup_hook": SETUP_HOOK} if settings.num_ingress_replicas > 1 else {}
     context = ray.init(
         logging_level=logging.WARNING,  # its INFO lines: what `say` tells, and the dashboard
         address="local",
+        **({"runtime_env": hook} if hook else {}),
         num_cpus=max(os.cpu_count() or 1, num_cpus),
         include_dashboard=True,
         dashboard_host=args.dashboard_host or metrics_host,

@@ -13,8 +13,9 @@ threads run in them; Serve's controller reconciles every 0.5 s instead of 0.1, a
 and handles pass their cached request metrics on every 1 s instead of 0.1; Ray's log monitor
 looks for new log files every 0.5 s instead of 0.1.
 
-Direct ingress gives each ingress replica a port of its own, with no balancer in front, so it is
-used with exactly one ingress replica; more (`--num-ingress-replicas`) go through the proxy.
+Direct ingress gives each ingress replica a port of its own, for a balancer in front; none is in
+front of a local server, so its ingress replicas (`--num-ingress-replicas`) all listen on the
+API port, which the kernel shares among them (cluster/shared_api_port.py).
 
 A start that cannot succeed says why at once: a replica's failure to start is printed as Serve
 reports it (Serve retries it a few times), and once Serve gives the application up, that cause
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedray.cli.console import replica_progress
+from pagedray.cluster.shared_api_port import SHARED_API_PORT_ENV
 
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
@@ -88,19 +90,18 @@ def lean_serve_env(api_port: int, num_ingress_replicas: int) -> dict[str, str]:
     # NOTE: the mode buffers 1,000 access lines per replica, and a replica that stops loses
     # what is buffered: one line per request is cheap enough to write at once.
     env[REQUEST_LOG_BUFFER_ENV] = "1"
-    if num_ingress_replicas == 1:
-        # NOTE: the controller hands ingress replicas ports from [min, max): one port, the API's.
-        ports[DIRECT_INGRESS_MIN_PORT_ENV] = str(api_port)
-        ports[DIRECT_INGRESS_MAX_PORT_ENV] = str(api_port + 1)
-        # Serve keeps a stopping ingress replica listening 30 s so that a load balancer in front
-        # notices; none is in front of a local server, so it stops at once (as the proxy did).
-        env[DIRECT_INGRESS_DRAIN_ENV] = "0"
-        # NOTE: Serve holds a released replica port out of its pool for 150 s, so that an
-        # HAProxy in front drops its stale slot first; none is in front here, and with a one-port
-        # range a dead ingress replica's replacement could not listen for 150 s (the API down).
-        env[PORT_QUARANTINE_ENV] = "0"
-    else:
-        env[DIRECT_INGRESS_ENV] = "0"
+    # NOTE: the controller hands ingress replicas ports from [min, max): one port, the API's.
+    ports[DIRECT_INGRESS_MIN_PORT_ENV] = str(api_port)
+    ports[DIRECT_INGRESS_MAX_PORT_ENV] = str(api_port + 1)
+    # Serve keeps a stopping ingress replica listening 30 s so that a load balancer in front
+    # notices; none is in front of a local server, so it stops at once (as the proxy did).
+    env[DIRECT_INGRESS_DRAIN_ENV] = "0"
+    # NOTE: Serve holds a released replica port out of its pool for 150 s, so that an HAProxy
+    # in front drops its stale slot first; none is in front here, and with a one-port range a
+    # dead ingress replica's replacement could not listen for 150 s (the API down).
+    env[PORT_QUARANTINE_ENV] = "0"
+    # More than one: all of them on the API port (cluster/shared_api_port.py).
+    ports[SHARED_API_PORT_ENV] = "1" if num_ingress_replicas > 1 else "0"
     return {**{key: value for key, value in env.items() if key not in os.environ}, **ports}
 
 

@@ -42,6 +42,7 @@ LEAN_VARS = (
     serve_runtime.CONTROL_LOOP_INTERVAL_ENV,
     serve_runtime.METRICS_EXPORT_INTERVAL_ENV,
     serve_runtime.LOG_MONITOR_FILES_THRESHOLD_ENV,
+    serve_runtime.SHARED_API_PORT_ENV,
 )
 
 
@@ -59,6 +60,7 @@ def test_one_ingress_replica_takes_the_api_port_itself() -> None:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "PAGEDRAY_SHARED_API_PORT": "0",
         "RAY_worker_niceness": "0",
         "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
         "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1",
@@ -68,14 +70,15 @@ def test_one_ingress_replica_takes_the_api_port_itself() -> None:
     }
 
 
-def test_several_ingress_replicas_share_the_port_through_the_proxy(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_several_ingress_replicas_all_take_the_api_port() -> None:
+    """Each listens on it (cluster/shared_api_port.py): none of them, and no proxy, is the
+    API's single point of failure."""
     env = lean_serve_env(8000, num_ingress_replicas=3)
-    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
-    assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in env
-    monkeypatch.setenv(serve_runtime.DIRECT_INGRESS_ENV, "0")
-    assert proxy_port(8000, "127.0.0.1") == 8000  # no direct ingress: the proxy has the port
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in env  # on, with Serve's throughput mode
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8000"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8001"
+    assert env["PAGEDRAY_SHARED_API_PORT"] == "1"
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
 
 
 def test_the_ports_are_always_this_servers(monkeypatch: pytest.MonkeyPatch) -> None:
