@@ -7,7 +7,9 @@ about a third of the tokens are out: SIGKILL (a crash), SIGSTOP (alive but answe
 until the streams end). The ingress replica is SIGKILLed next, with no load: the seconds until a
 completion is answered again (then the same on a server with two ingress replicas sharing the
 API port). Last, a server at TP = 2 (each engine's ranks are actors of their own), where one
-rank's process is SIGKILLed (its engine dies with it). Per fault it prints the requests that
+rank's process is SIGKILLed (its engine dies with it); and a simulated multi-node Ray (one
+engine per node, steps slowed, tests/deploy/_multi_node_scenario.py) loses a node (its
+replacement counted from when a node with room joins). Per fault it prints the requests that
 failed, those whose text (every choice) or chosen tokens' logprobs differ from the reference,
 the JSON outputs that do not parse (of those that finished), each request's longest pause
 between two chunks (p50 / p99, against the reference's), and how long until two engine replicas
@@ -34,6 +36,8 @@ from typing import Any, Callable
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "deploy"))
+from _multi_node_scenario import MAX_TOKENS as NODE_MAX_TOKENS  # noqa: E402
+from _multi_node_scenario import run_scenario  # noqa: E402
 from _subprocesses import ServeProcess, pagedray_serve  # noqa: E402
 
 MODEL = "failover"
@@ -328,6 +332,34 @@ def run_faults(
     return reference, [run_fault(server, fault, args, reference) for fault in faults]
 
 
+def node_removal(model: str | None) -> FaultFigures:
+    """tests/deploy/_multi_node_scenario.py on `model`: one engine replica per node of a
+    simulated multi-node Ray (slow steps), greedy and seeded streams; one node removed."""
+    if model is None:
+        from pagedray.tools.default_model import default_model_path
+
+        model = str(default_model_path())
+    report = run_scenario(model, REPLACEMENT_TIMEOUT_S * 3)
+    streams, reference = report["streams"], report["reference"]
+    differ: dict[str, int] = {}
+    for stream, ref in zip(streams, reference):
+        if stream["text"] != ref["text"]:
+            kind = "greedy" if stream["index"] % 2 == 0 else "seeded"
+            differ[kind] = differ.get(kind, 0) + 1
+    pauses = sorted(stream["longest_pause_s"] for stream in streams)
+    return FaultFigures(
+        f"node removed ({len(streams)} streams of {NODE_MAX_TOKENS} tokens)",
+        len(streams),
+        sum(s["error_code"] is not None or s["tokens"] != NODE_MAX_TOKENS for s in streams),
+        differ,
+        0,
+        _quantile(pauses, 0.5),
+        _quantile(pauses, 0.99),
+        sum(pause > PAUSED_S for pause in pauses),
+        report["replaced_after_s"],
+    )
+
+
 def ingress_kill(server: ServeProcess) -> float | None:
     os.kill(server.processes("OpenAIIngress")[0], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -359,6 +391,12 @@ def main() -> int:
         action="store_false",
         help="no run with 2 ingress replicas sharing the API port",
     )
+    parser.add_argument(
+        "--no-node-removal",
+        dest="node_removal",
+        action="store_false",
+        help="no run on a simulated multi-node Ray with one node removed",
+    )
     args = parser.parse_args()
     flags = ["--served-model-name", MODEL, "--num-replicas", "2", "--max-num-seqs", "64"]
     with pagedray_serve(args.model, *flags, start_timeout_s=300) as server:
@@ -370,6 +408,7 @@ def main() -> int:
         shared_flags = [*flags, "--num-ingress-replicas", "2"]
         with pagedray_serve(args.model, *shared_flags, start_timeout_s=300) as server:
             shared_s = ingress_kill(server)
+    removed_node = [node_removal(args.model)] if args.node_removal else []
     tp2: list[FaultFigures] = []
     if args.tp2_requests > 0:
         tp2_flags = [*flags, "--tensor-parallel-size", "2"]
@@ -387,7 +426,7 @@ def main() -> int:
         f"| longest pause p50 / p99 | paused > {PAUSED_S:g} s | two replicas again |"
     )
     print("|---|---|---|---|---|---|---|")
-    for f in figures + tp2:
+    for f in figures + tp2 + removed_node:
         differ = ", ".join(f"{kind} {n}" for kind, n in sorted(f.differ.items())) or "0"
         again = "-" if f.replacement_s is None else f"{f.replacement_s:.1f} s"
         print(

@@ -4,17 +4,21 @@ test_multi_node.py in a process of its own (it cannot share the test session's R
 A head node with no CPUs (Serve's controller and proxy) and two worker nodes of one CPU each,
 so that each engine replica's STRICT_PACK group lands on a node of its own (the ingress, which
 takes no CPU, may land anywhere: the node removed is one that does not hold it). With
-streams running on both engines, one worker node is removed the hard way (its raylet and
-workers killed): what happened to each stream, /health, and the replacement once a node with
-room joins, is printed as one JSON line for the test to judge.
+streams running on both engines (greedy and seeded, run once undisturbed before), one worker
+node is removed the hard way (its raylet and workers killed): what happened to each stream (its
+text, its longest pause), /health, and the replacement once a node with room joins, is printed
+as one JSON line for the test (and benchmarks/failover.py) to judge.
 
-    python tests/deploy/_multi_node_scenario.py MODEL_DIR
+    python tests/deploy/_multi_node_scenario.py MODEL_DIR   # or `run_scenario(model_dir)`
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for slow_engine
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/deploy, for _subprocesses
+from _subprocesses import descendants, kill_all, start_time  # noqa: E402
 from slow_engine import slow_engine_builder  # noqa: E402
 
 STREAMS = 6
@@ -31,7 +37,38 @@ STEP_SLEEP_S = 0.05  # a stream lasts about 15 s, so the node dies while they ru
 TIMEOUT_S = 120.0
 
 
+def run_scenario(model: str, timeout_s: float) -> dict[str, Any]:
+    """The scenario in a process of its own (it cannot share a Ray with its caller), serving
+    `model`: its report. Every process it started is gone afterwards; an AssertionError with
+    the output's end says why when no report came or a process outlived it."""
+    workdir = Path(tempfile.mkdtemp(prefix="pdr-mn-", dir="/tmp"))
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(workdir), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    log_path = workdir / "scenario.log"
+    started: set[tuple[int, int]] = set()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, __file__, model], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in descendants(proc.pid):  # remembered while they are ours to name
+                if (started_at := start_time(pid)) is not None:
+                    started.add((pid, started_at))
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        left = kill_all(started, 30)
+    output = log_path.read_text(errors="replace")
+    lines = [line for line in output.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, output[-5000:]
+    assert not left, f"processes outlived the scenario: {left}"
+    return json.loads(lines[-1][len("REPORT ") :])
+
+
 def _stream(url: str, index: int, results: list[dict[str, Any]]) -> None:
+    """Stream `index`: greedy for an even index, seeded sampling for an odd one."""
     body = {
         "model": "tiny",
         "prompt": f"stream number {index}",
@@ -39,8 +76,10 @@ def _stream(url: str, index: int, results: list[dict[str, Any]]) -> None:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **({"temperature": 0.0} if index % 2 == 0 else {"temperature": 1.0, "seed": index}),
     }
     outcome: dict[str, Any] = {"index": index, "tokens": 0, "error_code": None, "ended": None}
+    text, chunk_times = [], []
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
             outcome["status"] = response.status_code
@@ -52,10 +91,29 @@ def _stream(url: str, index: int, results: list[dict[str, Any]]) -> None:
                     outcome["error_code"] = chunk["error"].get("code")
                 if chunk.get("usage"):
                     outcome["tokens"] = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    text.append(chunk["choices"][0]["text"])
+                    chunk_times.append(time.monotonic())
     except httpx.HTTPError as exc:
         outcome["error_code"] = repr(exc)
     outcome["ended"] = time.monotonic()
+    outcome["text"] = "".join(text)
+    outcome["longest_pause_s"] = max(
+        (b - a for a, b in zip(chunk_times, chunk_times[1:])), default=0
+    )
     results.append(outcome)
+
+
+def _run_streams(url: str) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+    """Every stream at once, each on a thread of its own (started); their outcomes."""
+    results: list[dict[str, Any]] = []
+    threads = [
+        threading.Thread(target=_stream, args=(url, i, results), daemon=True)
+        for i in range(STREAMS)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads, results
 
 
 def _wait(what: str, check: Any, timeout_s: float = TIMEOUT_S) -> float:
@@ -119,13 +177,15 @@ def main(model: str) -> None:
         report["worker_nodes"] = sorted(node.node_id for node in workers)
         ingress_node = _ingress_node()
 
-        results: list[dict[str, Any]] = []
-        threads = [
-            threading.Thread(target=_stream, args=(url, i, results), daemon=True)
-            for i in range(STREAMS)
-        ]
+        # The same streams undisturbed first: what each must still say after the node dies.
+        threads, reference = _run_streams(url)
         for thread in threads:
-            thread.start()
+            thread.join(TIMEOUT_S)
+        report["reference"] = [
+            {"text": o["text"], "longest_pause_s": o["longest_pause_s"]}
+            for o in sorted(reference, key=lambda o: o["index"])
+        ]
+        threads, results = _run_streams(url)
 
         def running() -> dict[str, int]:
             stats = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
