@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -82,6 +83,14 @@ class MigrationPolicy:
         logger.warning("request %s: engine failed it (%s); sending it again", request_id, reason)
         await asyncio.sleep(MIGRATION_PAUSE_S * 2**attempt)
         return True
+
+    def seed_for_moving(self, request: GenerateRequest) -> None:
+        """A sampled request that came without a seed gets one as it enters, so that, should it
+        move, it goes on with the draws it would have made (keyed by seed and position) instead
+        of fresh ones. Its draws are as random as before: the seed is drawn anew each time."""
+        params = request.sampling_params
+        if self.limit > 0 and params.seed is None and not params.greedy:
+            request.sampling_params = params.clone(seed=secrets.randbits(63))
 
     def count(self, move: Move) -> None:
         """A request sent again has a replica: it moved."""

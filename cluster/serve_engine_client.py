@@ -80,6 +80,7 @@ class ServeEngineClient:
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         """The request's one call to the engine deployment. Leaving early cancels the call,
         which aborts the request in the engine."""
+        self.migration.seed_for_moving(request)
         self._add_routing_hashes(request)
         if request.stream_interval is None:
             return self._answer(request)
