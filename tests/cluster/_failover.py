@@ -13,6 +13,27 @@ from typing import Any, Callable
 import httpx
 
 TIMEOUT_S = 120.0
+STEP_SLEEP_S = 0.05  # each engine step sleeps: requests are still running when one is struck
+
+
+def two_replica_app(model_dir: str, served_name: str, **config: Any) -> Any:
+    """Two engine replicas of the tiny model (`config`: more `EngineConfig` fields) whose steps
+    sleep, routed by power of two (so both hold requests)."""
+    from slow_engine import slow_engine_builder
+
+    from pagedray.cluster.openai_app import build_openai_app
+    from pagedray.engine.config import EngineConfig
+
+    engine_config = EngineConfig(
+        model=model_dir, served_model_name=served_name, num_kv_blocks=128, num_threads=1, **config
+    )
+    return build_openai_app(
+        engine_config,
+        engine_builder=slow_engine_builder(STEP_SLEEP_S),
+        num_replicas=2,
+        routing="power-of-two",
+        ingress_num_cpus=0.1,
+    )
 
 
 def replicas(url: str) -> list[dict[str, Any]]:

@@ -22,36 +22,22 @@ from _failover import (
     replicas,
     strike_mid_stream,
     survivors_hold_no_block,
+    two_replica_app,
     two_replicas_serving,
 )
 from _serve_apps import deploy_app
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from slow_engine import slow_engine_builder
 
 MODEL = "tiny"
 APP = "failover"
-STEP_SLEEP_S = 0.05
 MAX_TOKENS = 48  # about 2.5 s a request: still running when the replica dies
 NUM_REQUESTS = 8
 
 
 @pytest.fixture(scope="module")
 def url(serve_url: str, tiny_llama: str) -> Iterator[str]:
-    from pagedray.cluster.openai_app import build_openai_app
-    from pagedray.engine.config import EngineConfig
-
-    config = EngineConfig(
-        model=tiny_llama, served_model_name=MODEL, num_kv_blocks=128, num_threads=1
-    )
-    app = build_openai_app(
-        config,
-        engine_builder=slow_engine_builder(STEP_SLEEP_S),
-        num_replicas=2,
-        routing="power-of-two",
-        ingress_num_cpus=0.1,
-    )
-    yield from deploy_app(serve_url, APP, app)
+    yield from deploy_app(serve_url, APP, two_replica_app(tiny_llama, MODEL))
 
 
 def _complete(url: str, index: int) -> tuple[int, str]:

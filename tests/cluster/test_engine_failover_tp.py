@@ -14,37 +14,19 @@ import signal
 from typing import Iterator
 
 import pytest
-from _failover import strike_mid_stream, survivors_hold_no_block
+from _failover import strike_mid_stream, survivors_hold_no_block, two_replica_app
 from _serve_apps import deploy_app
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from slow_engine import slow_engine_builder
 
 MODEL = "tiny-tp2"
 APP = "failover-tp2"
-STEP_SLEEP_S = 0.05
 TENSOR_PARALLEL_SIZE = 2
 
 
 @pytest.fixture(scope="module")
 def url(serve_url: str, tiny_llama: str) -> Iterator[str]:
-    from pagedray.cluster.openai_app import build_openai_app
-    from pagedray.engine.config import EngineConfig
-
-    config = EngineConfig(
-        model=tiny_llama,
-        served_model_name=MODEL,
-        num_kv_blocks=128,
-        num_threads=1,
-        tensor_parallel_size=TENSOR_PARALLEL_SIZE,
-    )
-    app = build_openai_app(
-        config,
-        engine_builder=slow_engine_builder(STEP_SLEEP_S),
-        num_replicas=2,
-        routing="power-of-two",
-        ingress_num_cpus=0.1,
-    )
+    app = two_replica_app(tiny_llama, MODEL, tensor_parallel_size=TENSOR_PARALLEL_SIZE)
     yield from deploy_app(serve_url, APP, app)
 
 
