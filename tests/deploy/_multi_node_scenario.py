@@ -34,6 +34,9 @@ from slow_engine import slow_engine_builder  # noqa: E402
 STREAMS = 6
 MAX_TOKENS = 300
 STEP_SLEEP_S = 0.05  # a stream lasts about 15 s, so the node dies while they run
+# Room for every stream on one engine (6 x 20 blocks of 16 tokens): the moved ones are not held
+# up waiting for blocks, so their pause is the move's.
+KV_BLOCKS = 128
 TIMEOUT_S = 120.0
 
 
@@ -163,11 +166,16 @@ def main(model: str) -> None:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         config = EngineConfig(
-            model=model, served_model_name="tiny", num_kv_blocks=64, num_threads=1,
+            model=model, served_model_name="tiny", num_kv_blocks=KV_BLOCKS, num_threads=1,
             use_ray_workers=False,
         )  # fmt: skip
+        # Power of two: the streams spread over both engines (cache-aware routing would send
+        # them all where the undisturbed run left their prompts' blocks).
         app = build_openai_app(
-            config, num_replicas=2, engine_builder=slow_engine_builder(STEP_SLEEP_S)
+            config,
+            num_replicas=2,
+            engine_builder=slow_engine_builder(STEP_SLEEP_S),
+            routing="power-of-two",
         )
         serve.run(app, name="multinode", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
