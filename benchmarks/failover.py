@@ -9,7 +9,9 @@ completion is answered again (then the same on a server with two ingress replica
 API port). Last, a server at TP = 2 (each engine's ranks are actors of their own), where one
 rank's process is SIGKILLed (its engine dies with it); and a simulated multi-node Ray (one
 engine per node, steps slowed, tests/deploy/_multi_node_scenario.py) loses a node (its
-replacement counted from when a node with room joins). Per fault it prints the requests that
+replacement counted from when a node with room joins); and an app deployed again from two
+engine replicas to one mid-stream (the replica removed drains; its last column: until one is
+left). Per fault it prints the requests that
 failed, those whose text (every choice) or chosen tokens' logprobs differ from the reference,
 the JSON outputs that do not parse (of those that finished), each request's longest pause
 between two chunks (p50 / p99, against the reference's), and how long until two engine replicas
@@ -38,7 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "deploy"))
 from _multi_node_scenario import MAX_TOKENS as NODE_MAX_TOKENS  # noqa: E402
 from _multi_node_scenario import run_scenario  # noqa: E402
-from _subprocesses import ServeProcess, pagedray_serve  # noqa: E402
+from _subprocesses import ServeProcess, free_port, pagedray_serve  # noqa: E402
 
 MODEL = "failover"
 KINDS = ("greedy", "seeded", "n2", "json", "stop", "logprobs")
@@ -360,6 +362,42 @@ def node_removal(model: str | None) -> FaultFigures:
     )
 
 
+def redeploy_drain(model: str | None, num_requests: int, max_tokens: int) -> FaultFigures:
+    """Serve in this process (a local Ray of its own, as `serve run` would) with two engine
+    replicas; a third of the way into the streams the app is deployed again with one: the
+    replica removed drains, its streams finishing where they run."""
+    import ray
+    from ray import serve
+
+    from pagedray.cluster.openai_app import build_app
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app_args: dict[str, Any] = {"served_model_name": MODEL, "max_num_seqs": 64}
+        app_args.update(model=model, num_replicas=2, ingress_num_cpus=0.1)
+        serve.run(build_app(app_args), name="drain", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        reference = run_all(url, num_requests, max_tokens, None)
+        wait_for_replicas(url, 2, time.monotonic())
+        struck_at: list[float] = []
+
+        def redeploy() -> None:
+            struck_at.append(time.monotonic())
+            one = build_app({**app_args, "num_replicas": 1})
+            serve.run(one, name="drain", route_prefix="/")  # on its own thread: it may wait
+
+        records = run_all(url, num_requests, max_tokens, redeploy)
+        one_left_s = wait_for_replicas(url, 1, struck_at[0]) if struck_at else None
+        figures = compare("redeployed to one replica (drain)", records, reference, None)
+        figures.replacement_s = one_left_s
+        return figures
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def ingress_kill(server: ServeProcess) -> float | None:
     os.kill(server.processes("OpenAIIngress")[0], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -397,6 +435,12 @@ def main() -> int:
         action="store_false",
         help="no run on a simulated multi-node Ray with one node removed",
     )
+    parser.add_argument(
+        "--no-drain",
+        dest="drain",
+        action="store_false",
+        help="no run redeploying two engine replicas to one mid-stream",
+    )
     args = parser.parse_args()
     flags = ["--served-model-name", MODEL, "--num-replicas", "2", "--max-num-seqs", "64"]
     with pagedray_serve(args.model, *flags, start_timeout_s=300) as server:
@@ -409,6 +453,7 @@ def main() -> int:
         with pagedray_serve(args.model, *shared_flags, start_timeout_s=300) as server:
             shared_s = ingress_kill(server)
     removed_node = [node_removal(args.model)] if args.node_removal else []
+    drained = [redeploy_drain(args.model, args.requests, args.max_tokens)] if args.drain else []
     tp2: list[FaultFigures] = []
     if args.tp2_requests > 0:
         tp2_flags = [*flags, "--tensor-parallel-size", "2"]
@@ -426,7 +471,7 @@ def main() -> int:
         f"| longest pause p50 / p99 | paused > {PAUSED_S:g} s | two replicas again |"
     )
     print("|---|---|---|---|---|---|---|")
-    for f in figures + tp2 + removed_node:
+    for f in figures + tp2 + removed_node + drained:
         differ = ", ".join(f"{kind} {n}" for kind, n in sorted(f.differ.items())) or "0"
         again = "-" if f.replacement_s is None else f"{f.replacement_s:.1f} s"
         print(
