@@ -32,9 +32,9 @@ from _subprocesses import descendants, kill_all, start_time  # noqa: E402
 from slow_engine import slow_engine_builder  # noqa: E402
 
 STREAMS = 6
-MAX_TOKENS = 300
-STEP_SLEEP_S = 0.05  # a stream lasts about 15 s, so the node dies while they run
-# Room for every stream on one engine (6 x 20 blocks of 16 tokens): the moved ones are not held
+MAX_TOKENS = 200
+STEP_SLEEP_S = 0.05  # a stream lasts about 10 s, so the node dies while they run
+# Room for every stream on one engine (6 x 14 blocks of 16 tokens): the moved ones are not held
 # up waiting for blocks, so their pause is the move's.
 KV_BLOCKS = 128
 TIMEOUT_S = 120.0

@@ -69,7 +69,11 @@ def test_both_ingress_replicas_answer_on_the_api_port(server: ServeProcess) -> N
     ingress = server.processes("OpenAIIngress")
     assert len(ingress) == 2
     port = int(server.url.rsplit(":", 1)[1])
-    assert _listening_pids(port, ingress) == set(ingress)  # themselves: no proxy in between
+    # Themselves, no proxy in between; the server is up once one listens, the other follows.
+    deadline = time.monotonic() + 30
+    while _listening_pids(port, ingress) != set(ingress):
+        assert time.monotonic() < deadline, (_listening_pids(port, ingress), ingress)
+        time.sleep(0.2)
     body = {"model": MODEL, "prompt": "which replica?", "max_tokens": 2}
     for _ in range(NUM_FRESH):  # a connection of its own each: the kernel picks a listener
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60, trust_env=False)

@@ -8,7 +8,7 @@ from `_multi_node_scenario.py`; every process it started is gone afterwards.
 
 from __future__ import annotations
 
-from _multi_node_scenario import run_scenario
+from _multi_node_scenario import MAX_TOKENS, run_scenario
 
 TIMEOUT_S = 480.0
 # From the kill to /health's 503; Ray's own node-death timeouts are 30 s and more, so this
@@ -26,7 +26,7 @@ def test_a_dead_nodes_streams_move_to_the_other_engine_and_its_engine_is_replace
     assert report["engine_nodes"] == report["worker_nodes"]
     streams = report["streams"]
     on_victim = report["running_at_kill"][report["victim_replica"]]
-    whole = [s for s in streams if s["tokens"] == 300 and s["error_code"] is None]
+    whole = [s for s in streams if s["tokens"] == MAX_TOKENS and s["error_code"] is None]
     # The dead node held streams; they moved to the other engine: every stream is whole, its
     # usage counted once.
     assert on_victim >= 1 and len(whole) == len(streams), streams
