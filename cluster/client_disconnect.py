@@ -1,12 +1,13 @@
 """A client's hang-up as ASGI's `http.disconnect`, however Serve reports it.
 
-Behind Serve's proxy (the in-process Serve of the tests, or `--num-ingress-replicas` > 1), the
-replica reads request messages from the proxy with a Ray call; when the client goes, the proxy
-cancels that call and the app's `receive()` raises Ray's TaskCancelledError instead of returning
-`http.disconnect`. Starlette's streaming response then fails with it, and the ingress guard logged
-some 50 lines of traceback per disconnected stream. Serve's own reader treats the proxy no longer
-knowing the request as a disconnect (ray-project/ray#43290); this does the same for the cancelled
-call. With direct ingress (`pagedray serve`'s default) uvicorn reports `http.disconnect` itself.
+Behind Serve's proxy (the in-process Serve of the tests, `serve run`, or `pagedray serve` with
+`RAY_SERVE_THROUGHPUT_OPTIMIZED=0`), the replica reads request messages from the proxy with a
+Ray call; when the client goes, the proxy cancels that call and the app's `receive()` raises
+Ray's TaskCancelledError instead of returning `http.disconnect`. Starlette's streaming response
+then fails with it, and the ingress guard logged some 50 lines of traceback per disconnected
+stream. Serve's own reader treats the proxy no longer knowing the request as a disconnect
+(ray-project/ray#43290); this does the same for the cancelled call. With direct ingress
+(`pagedray serve`'s default) uvicorn reports `http.disconnect` itself.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ class ServerConfig(EngineConfig):
     num_ingress_replicas: int = Field(
         1,
         ge=1,
-        description="HTTP ingress replicas; 1 listens on the API port itself, more share it "
-        "through Serve's proxy",
+        description="HTTP ingress replicas, each listening on the API port itself (more than "
+        "1: the kernel shares the port among them, so none is the API's single process)",
     )
     routing: Literal["cache-aware", "power-of-two"] | None = Field(
         None,

@@ -263,9 +263,12 @@ class Sampler:
             group = probs
             if len(positions) < len(rows):
                 group = probs.index_select(0, torch.tensor(positions, device=probs.device))
-            # NOTE: in slices whose running sums stay in the caches: at 64 rows of a 152k
-            # vocabulary one call took 20 ms, slices of 6 rows 6.3 (at 8k and 32k: the same).
-            step = max(1, CUMSUM_CACHE_FLOATS // group.shape[-1])
+            # NOTE: on a CPU in slices whose running sums stay in the caches: at 64 rows of a
+            # 152k vocabulary one call took 20 ms, slices of 6 rows 6.3 (at 8k and 32k: the
+            # same). A GPU takes the batch in one call.
+            step = len(positions)
+            if probs.device.type == "cpu":
+                step = max(1, CUMSUM_CACHE_FLOATS // group.shape[-1])
             for start in range(0, len(positions), step):
                 drawn = inverse_cdf(group[start : start + step], uniform[start : start + step])
                 for i, token_ids in zip(positions[start : start + step], drawn):
