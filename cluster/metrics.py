@@ -34,7 +34,15 @@ MATCHED_BLOCKS_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096
 
 # The scheduler's cumulative stats exported as counters: `Scheduler.stats()` keys, and the
 # names of the counter attributes below.
-_CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+_CUMULATIVE_STATS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "host_tier_saved_blocks",
+    "host_tier_loaded_blocks",
+)
 # What a request finishes with (`RequestStatus.finish_reason`; aborts are no success).
 FINISHED_REASONS = ("stop", "length")
 # The kinds of constraint a structured-output request has (`StructuredOutputsParams.key`).
@@ -86,6 +94,24 @@ class EngineMetrics:
         )
         self.prefix_cache_hits = counter(
             "pagedray_prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.external_prefix_cache_queries = counter(
+            "pagedray_external_prefix_cache_queries",
+            "Prompt tokens looked up in the node's host KV tier (past the pool's hits).",
+        )
+        self.external_prefix_cache_hits = counter(
+            "pagedray_external_prefix_cache_hits",
+            "Prompt tokens loaded from the node's host KV tier instead of computed.",
+        )
+        self.host_tier_saved_blocks = counter(
+            "pagedray_host_tier_saved_blocks", "KV blocks evicted from the pool into the host tier."
+        )
+        self.host_tier_loaded_blocks = counter(
+            "pagedray_host_tier_loaded_blocks", "KV blocks loaded from the host tier into the pool."
+        )
+        self.host_tier_blocks = gauge(
+            "pagedray_host_tier_blocks",
+            "KV blocks held in the node's host tier (by every engine of the model on the node).",
         )
         self.num_preemptions = counter(
             "pagedray_num_preemptions", "Sequences preempted (blocks freed, recomputed later)."
@@ -154,11 +180,13 @@ class EngineMetrics:
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_usage"])
+        self.host_tier_blocks.set(stats.get("host_tier_num_blocks", 0))
         for key in _CUMULATIVE_STATS:
-            delta = stats[key] - self._last_totals[key]
+            total = stats.get(key, 0)  # the tier's keys exist only with a tier
+            delta = total - self._last_totals[key]
             if delta > 0:  # Counter.inc refuses 0
                 getattr(self, key).inc(delta)
-                self._last_totals[key] = stats[key]
+                self._last_totals[key] = total
 
     def record_step(
         self,

@@ -110,6 +110,7 @@ class RayExecutor:
     Attributes:
         num_kv_blocks: KV blocks every rank can hold (the minimum over ranks); the scheduler's
             block pool is sized with it.
+        host_tier: the path of the node's host KV tier file every rank opened, or None.
         workers: actor handles, index = rank.
         actor_ids: the workers' Ray actor ids, index = rank.
         actor_names: the workers' actor names, index = rank: `pagedray-<engine>-rank<r>`, as
@@ -134,6 +135,7 @@ class RayExecutor:
         self.worker_config = _rank_config(worker_config, self.placement.use_gpu)
         self.workers: list[ActorHandle] = []
         self.actor_ids: list[str] = []
+        self.host_tier: str | None = None
         self._dispatcher: _Dispatcher | None = None
         self.dispatch: Dispatch = dispatch
         try:
@@ -200,8 +202,18 @@ class RayExecutor:
     def _init_kv_caches(self) -> int:
         fits: list[int] = ray.get([w.determine_num_kv_blocks.remote() for w in self.workers])
         num_blocks = min(fits)
-        ray.get([w.init_kv_cache.remote(num_blocks) for w in self.workers])
+        tiers: list[str | None] = ray.get(
+            [w.init_kv_cache.remote(num_blocks) for w in self.workers]
+        )
+        # Every rank must hold its shard of a saved block, or no rank may load it; and the
+        # scheduler reads the file's records, so it must be on the ranks' node.
+        if all(tiers) and self._workers_on_this_node():
+            self.host_tier = tiers[0]
         return num_blocks
+
+    def _workers_on_this_node(self) -> bool:
+        here = ray.get_runtime_context().get_node_id()
+        return set(ray.get([w.get_node_id.remote() for w in self.workers])) == {here}
 
     def _usable_dispatch(self, dispatch: Dispatch) -> Dispatch:
         """`dispatch`, unless pipes were asked for and this process is not on the workers' node.
@@ -209,17 +221,10 @@ class RayExecutor:
         The group keeps the ranks together, but a driver joined to a cluster from elsewhere
         (`LLM` with `address="auto"` on another machine) shares no FIFOs with them.
         """
-        if dispatch != "pipe":
-            return dispatch
-        here = ray.get_runtime_context().get_node_id()
-        nodes: set[str] = set(ray.get([w.get_node_id.remote() for w in self.workers]))
-        if nodes == {here}:
+        if dispatch != "pipe" or self._workers_on_this_node():
             return dispatch
         logger.warning(
-            "dispatch='pipe' needs the workers on this process's node (%s), they are on %s; "
-            "using dispatch='compiled'",
-            here,
-            sorted(nodes),
+            "dispatch='pipe' needs the workers on this process's node; using dispatch='compiled'"
         )
         return "compiled"
 

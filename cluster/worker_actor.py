@@ -57,8 +57,9 @@ class WorkerActor:
     def determine_num_kv_blocks(self) -> int:
         return compute_thread().run(self._worker.determine_num_kv_blocks)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        compute_thread().run(self._worker.init_kv_cache, num_blocks)
+    def init_kv_cache(self, num_blocks: int) -> str | None:
+        """Allocate the pool; the node's host KV tier's path, if this rank opened one."""
+        return compute_thread().run(self._worker.init_kv_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the sampled tokens, other ranks None (less to send)."""

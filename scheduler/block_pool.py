@@ -102,6 +102,9 @@ class BlockPool:
         # Invariant: index[h] is b  <=>  b.block_hash == h.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.kv_events = KVEventRecorder(num_blocks) if record_kv_events else None
+        # (block id, hash) of cached blocks handed out for other tokens since the last
+        # `take_evicted`, their KV still intact; kept only for a lower tier to save them.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the free queue head, evicting their cached hashes.
@@ -118,10 +121,20 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, f"block {block.block_id} in free queue is in use"
+            # A block has a hash only while the index holds it (`cache_full_block`).
+            if self.evicted is not None and block.block_hash is not None:
+                self.evicted.append((block.block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """The cached blocks evicted since the last call, in eviction order (tracking must be
+        on: `evicted` a list)."""
+        assert self.evicted is not None, "eviction tracking is off"
+        evicted, self.evicted = self.evicted, []
+        return evicted
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding the full block with this hash, in use or free, if any."""

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Protocol
 
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.scheduler.grammar import RequestGrammar, StructuredOutputManager
+from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.scheduler.outputs import EngineCoreOutput
@@ -38,9 +39,11 @@ class EngineCore:
         executor: Executor,
         eos_token_ids: Iterable[int] = (),
         structured: StructuredOutputManager | None = None,
+        host_tier: HostKVTier | None = None,
     ) -> None:
-        """`structured`: compiles grammars for structured outputs (None: those are refused)."""
-        self.scheduler = Scheduler(config, num_kv_blocks, eos_token_ids, structured)
+        """`structured`: compiles grammars for structured outputs (None: those are refused).
+        `host_tier`: the node's KV tier the executor's ranks opened (None: none)."""
+        self.scheduler = Scheduler(config, num_kv_blocks, eos_token_ids, structured, host_tier)
         self.executor = executor
         self.num_steps = 0
         self.last_step_time = 0.0  # seconds, time.monotonic() at the end of the last step
@@ -72,9 +75,10 @@ class EngineCore:
         # Requests the scheduler ended before they ran (a grammar that failed to compile).
         outputs, self.scheduler.pending_outputs = self.scheduler.pending_outputs, []
         if scheduler_output.total_num_scheduled_tokens == 0:
-            if scheduler_output.finished_req_ids:
+            if scheduler_output.finished_req_ids or scheduler_output.blocks_to_save:
                 # Let the workers drop what finished even when nothing else runs.
                 self.executor.execute_model(scheduler_output)
+                self.scheduler.kv_cache_manager.step_done(ran=True)
             if not outputs:
                 self._wait_for_grammars()
             return outputs
@@ -84,6 +88,7 @@ class EngineCore:
             # The step's blocks were indexed when planned; their KV may never have been written.
             self.scheduler.unindex_step_blocks()
             raise
+        self.scheduler.kv_cache_manager.step_done(ran=True)
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_time = time.monotonic()

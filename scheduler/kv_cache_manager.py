@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedray.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
 from pagedray.scheduler.request import Request
 
@@ -26,6 +27,9 @@ class Allocation:
     # must copy src's slots into dst before the forward pass.
     copies: list[tuple[int, int]]
     replaced: bool  # some existing table entry changed (a CoW), not only appends
+    # Prefix hits found in the host tier, (tier slot, block id): the workers load them into the
+    # first fresh blocks before the forward pass.
+    loads: list[tuple[int, int]] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -37,12 +41,19 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         record_kv_events: bool = False,
+        host_tier: HostKVTier | None = None,
     ) -> None:
+        """`host_tier`: the node's tier that evicted blocks go to and prefix misses are looked
+        up in (with prefix caching on); None: an evicted block is gone."""
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, record_kv_events)
+        self.host_tier = host_tier if enable_caching else None
+        if self.host_tier is not None:
+            self.block_pool.evicted = []
+        self.saving: list[int] = []  # tier slots the step being run writes, published after it
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # the block tables
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}  # hashes of full blocks
         # Leading table blocks already offered to the index, so each step only looks at new ones.
@@ -53,6 +64,9 @@ class KVCacheManager:
         # does), or the hit rate would rise with preemption instead of with shared prefixes.
         self.preempted_prefix_cache_queries = 0
         self.preempted_prefix_cache_hits = 0
+        # vLLM's names for tokens looked up in, and found in, a tier below the pool.
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -76,6 +90,9 @@ class KVCacheManager:
             "prefix_cache_hits": self.prefix_cache_hits,
             "preempted_prefix_cache_queries": self.preempted_prefix_cache_queries,
             "preempted_prefix_cache_hits": self.preempted_prefix_cache_hits,
+            "external_prefix_cache_queries": self.external_prefix_cache_queries,
+            "external_prefix_cache_hits": self.external_prefix_cache_hits,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
         }
 
     def get_block_ids(self, req_id: str) -> list[int]:
@@ -111,11 +128,44 @@ class KVCacheManager:
             computed_blocks.append(block)
         return computed_blocks, len(computed_blocks) * self.block_size
 
+    def get_host_tier_hits(self, req: Request, num_device_blocks: int) -> list[int]:
+        """Tier slots holding the full blocks that follow `req`'s `num_device_blocks` pool hits,
+        leased for their load; capped as `get_computed_blocks` is. Pass them to `allocate_slots`."""
+        if self.host_tier is None or req.sampling_params.prompt_logprobs is not None:
+            return []
+        block_hashes = self._update_block_hashes(req)
+        max_hit_blocks = max(0, (req.num_tokens - 1) // self.block_size)
+        return self.host_tier.lookup(block_hashes[num_device_blocks:max_hit_blocks])
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        """(block id, tier slot) for the cached blocks evicted while planning this step, for the
+        workers to save before anything overwrites them; published by `step_done`."""
+        if self.host_tier is None:
+            return []
+        evicted = self.block_pool.take_evicted()
+        if not evicted:
+            return []
+        block_of = {block_hash: block_id for block_id, block_hash in evicted}
+        reserved = self.host_tier.reserve([block_hash for _, block_hash in evicted])
+        self.saving += [slot for _, slot in reserved]
+        return [(block_of[block_hash], slot) for block_hash, slot in reserved]
+
+    def step_done(self, ran: bool) -> None:
+        """The step planned last has run (`ran`) or failed: publish or free its tier writes."""
+        if self.host_tier is None or not self.saving:
+            return
+        if ran:
+            self.host_tier.publish(self.saving)
+        else:
+            self.host_tier.release(self.saving)
+        self.saving = []
+
     def allocate_slots(
         self,
         req: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        host_slots: Sequence[int] = (),
     ) -> Allocation | None:
         """Grow `req`'s table to hold its computed tokens, the prefix hit and `num_new_tokens`.
 
@@ -126,12 +176,15 @@ class KVCacheManager:
             req: The sequence; `req.num_computed_tokens` excludes `new_computed_blocks`.
             num_new_tokens: Tokens to be computed (written into KV slots) this step.
             new_computed_blocks: Prefix-hit blocks from `get_computed_blocks`, first admission only.
+            host_slots: The tier's hits that follow them (`get_host_tier_hits`): as many fresh
+                blocks are loaded from the tier and count as computed.
 
         Returns:
             The table's changes, or None (and nothing changed) if too few blocks are free.
         """
         table = self.req_to_blocks.get(req.req_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_hit_blocks = len(new_computed_blocks) + len(host_slots)
+        num_computed = req.num_computed_tokens + num_hit_blocks * self.block_size
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_held = len(table) + len(new_computed_blocks)
         num_fresh = max(0, num_required - num_held)
@@ -151,6 +204,9 @@ class KVCacheManager:
         table.extend(fresh_blocks)
         if req.req_id not in self.req_to_blocks:  # admission: count the prefix-cache lookup
             num_hits = len(new_computed_blocks) * self.block_size
+            if self.host_tier is not None:
+                self.external_prefix_cache_queries += req.num_tokens - num_hits
+                self.external_prefix_cache_hits += len(host_slots) * self.block_size
             if req.num_preemptions:
                 self.preempted_prefix_cache_queries += req.num_tokens
                 self.preempted_prefix_cache_hits += num_hits
@@ -160,7 +216,8 @@ class KVCacheManager:
         self.req_to_blocks[req.req_id] = table
         new_block_ids = [block.block_id for block in new_computed_blocks]
         new_block_ids += [block.block_id for block in fresh_blocks]
-        return Allocation(new_block_ids=new_block_ids, copies=copies, replaced=bool(copies))
+        loads = [(slot, block.block_id) for slot, block in zip(host_slots, fresh_blocks)]
+        return Allocation(new_block_ids, copies, replaced=bool(copies), loads=loads)
 
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Index every full block of `req` whose tokens are computed once the step being planned

@@ -62,7 +62,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step (chunk, or 1)
     total_num_scheduled_tokens: int  # tokens
-    blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src block id, dst block id), run first
+    blocks_to_copy: list[tuple[int, int]]  # copy-on-write (src block id, dst block id)
     finished_req_ids: list[str]  # sequences the workers drop: finished, aborted, preempted, forked
     # Set after scheduling when any row has a grammar. In-process (never pickled) it may be a
     # Future the scheduler fills while the forward pass runs; the model runner waits on it.
@@ -70,6 +70,11 @@ class SchedulerOutput:
     # Whether a request in flight streams its tokens to a client: the serving path then works
     # every step, and a CPU rank leaves it the cores it reserves (workers/cpu_threads.py).
     streaming: bool = True
+    # The node's host KV tier (scheduler/host_kv_tier.py). Run first, in this order, before the
+    # copies: evicted blocks saved (pool block id, tier slot) before anything overwrites them,
+    # then prefix hits found there loaded (tier slot, pool block id).
+    blocks_to_save: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Iterable
 from pagedray.scheduler.block_pool import KVCacheBlock
 from pagedray.scheduler.config import SchedulerConfig
 from pagedray.scheduler.grammar import GRAMMAR_REJECTED, StructuredOutputManager
+from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedray.scheduler.limits import check_request_limits
 from pagedray.scheduler.messages import (
@@ -39,7 +40,9 @@ class Scheduler:
         num_kv_blocks: int,
         eos_token_ids: Iterable[int] = (),
         structured: StructuredOutputManager | None = None,
+        host_tier: HostKVTier | None = None,
     ) -> None:
+        """`host_tier`: the node's tier below the pool (evicted blocks saved, misses found)."""
         self.config = config
         self.structured = structured  # grammars for structured outputs; None: those refused
         # Requests ended outside a step (their grammar failed to compile), for the next step.
@@ -50,6 +53,7 @@ class Scheduler:
             config.block_size,
             enable_caching=config.enable_prefix_caching,
             record_kv_events=config.enable_kv_cache_events,
+            host_tier=host_tier,
         )
         # NOTE: a sequence longer than the whole pool could never be scheduled again after a
         # preemption, so the usable model length is capped by the pool.
@@ -147,6 +151,7 @@ class Scheduler:
 
         plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
         plan.finished_req_ids = self.worker_view.take_finished()
+        plan.blocks_to_save = self.kv_cache_manager.take_saves()
         self._step_id += 1
         self.num_computed_tokens_total += plan.total_num_scheduled_tokens
         self.num_cow_copies += len(plan.blocks_to_copy)
@@ -181,8 +186,12 @@ class Scheduler:
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            host_slots = self.kv_cache_manager.get_host_tier_hits(req, len(computed_blocks))
+            num_hit += len(host_slots) * self.config.block_size
             num_new = min(req.num_tokens - num_hit, budget)
-            allocation = self.kv_cache_manager.allocate_slots(req, num_new, computed_blocks)
+            allocation = self.kv_cache_manager.allocate_slots(
+                req, num_new, computed_blocks, host_slots
+            )
             if allocation is None:
                 break
             self.waiting.pop(idx)
@@ -202,6 +211,7 @@ class Scheduler:
         """Put `num_new` tokens of `req` in this step's plan, on the blocks just allocated."""
         self.worker_view.emit(req, allocation, plan.scheduled_new_reqs, plan.scheduled_cached_reqs)
         plan.blocks_to_copy.extend(allocation.copies)
+        plan.blocks_to_load.extend(allocation.loads)
         plan.num_scheduled_tokens[req.req_id] = num_new
         # Indexed when planned, as vLLM indexes at allocation: a request admitted later in this
         # very step reads the shared prefix this step computes instead of computing it again.
@@ -213,9 +223,11 @@ class Scheduler:
 
     def unindex_step_blocks(self) -> None:
         """The planned step failed before it ran: drop the blocks `_plan` indexed for it, whose
-        KV may never have been written (the offline `LLM` is used again after a failed call)."""
+        KV may never have been written (the offline `LLM` is used again after a failed call),
+        and free the tier slots it was to save into."""
         self.kv_cache_manager.block_pool.uncache(self.indexed_in_step)
         self.indexed_in_step = []
+        self.kv_cache_manager.step_done(ran=False)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import clone_only
 import pytest
@@ -20,6 +23,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedray.tools.default_model import ARCHS  # noqa: E402
+from pagedray.workers.host_kv_buffer import TIER_DIR_ENV, tier_dir  # noqa: E402
+
+# Host KV tier files of this run, apart from any other run's and removed after it. Set before
+# any engine, Ray cluster or server starts: they all inherit it.
+os.environ[TIER_DIR_ENV] = tempfile.mkdtemp(prefix="pagedray-tests-kv-", dir=tier_dir())
+atexit.register(shutil.rmtree, os.environ[TIER_DIR_ENV], True)
 
 
 @pytest.fixture(scope="session")

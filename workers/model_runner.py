@@ -16,6 +16,7 @@ from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedray.workers.grammar_mask import apply_grammar_bitmask
+from pagedray.workers.host_kv_buffer import HostKVBuffer
 from pagedray.workers.input_batch import InputBatch
 from pagedray.workers.models.llama import LlamaForCausalLM
 from pagedray.workers.sampler import Sampler, SamplingRow, token_logprobs
@@ -36,8 +37,10 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
+        host_tier: HostKVBuffer | None = None,
     ) -> None:
         self.model = model
+        self.host_tier = host_tier
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
@@ -48,6 +51,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        if self.host_tier is not None:
+            if scheduler_output.blocks_to_save:
+                self.host_tier.save(self.kv_cache, scheduler_output.blocks_to_save)
+            if scheduler_output.blocks_to_load:
+                self.host_tier.load(self.kv_cache, scheduler_output.blocks_to_load)
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             self.attention.copy_blocks(self.kv_cache, list(src), list(dst))

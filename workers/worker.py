@@ -14,6 +14,7 @@ from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
 from pagedray.workers.cpu_threads import step_runs_on_every_core
+from pagedray.workers.host_kv_buffer import open_host_tier
 from pagedray.workers.layers.gemm import pack_module_weights, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
@@ -88,7 +89,9 @@ class Worker:
             )
         return int(num_blocks)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int) -> str | None:
+        """Allocate the pool and open the node's host KV tier; returns the tier file's path
+        (None: no tier), which the scheduler opens too."""
         mc = self.model_config
         shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
         # NOTE: zeros, not empty: padded attention reads unused slots with zero weight, and
@@ -111,6 +114,15 @@ class Worker:
             for every_core in (True, False) if self._switches_threads() else (False,):
                 self._use_threads(every_core)
                 warm_up(self.model, rows, WARM_UP_BUDGET_S)
+        tier = None
+        if self.config.kv_offloading_size != 0:
+            tier = open_host_tier(
+                self.config.model,
+                self.config.kv_offloading_size,
+                self.rank,
+                self.config.tensor_parallel_size,
+                kv_cache,
+            )
         self.runner = ModelRunner(
             self.model,
             kv_cache,
@@ -119,7 +131,9 @@ class Worker:
             self.config.max_num_seqs,
             self.config.max_model_len,
             self.device,
+            host_tier=tier[1] if tier else None,
         )
+        return tier[0] if tier else None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache must run before the first step"

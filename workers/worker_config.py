@@ -27,3 +27,6 @@ class WorkerConfig:
     # path otherwise keeps; workers/cpu_threads.py); None: `num_threads` for every step.
     quiet_num_threads: int | None = None
     device: str = "auto"  # "auto" = cuda when available
+    # GiB of the node's host KV tier (workers/host_kv_buffer.py); None: sized from free memory,
+    # 0: no tier.
+    kv_offloading_size: float | None = None

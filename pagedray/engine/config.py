@@ -125,6 +125,13 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="the KV pool per rank, bytes (vLLM's spelling: 40G, 8.5g)"
     )
+    kv_offloading_size: float | None = Field(
+        None,
+        ge=0,
+        description="GiB of the node's host KV tier, shared by this model's engines on the node: "
+        "evicted blocks go there and prefix misses are loaded from it (default: a quarter of "
+        "the memory free at start, at most 8; 0: off)",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: the share of device memory a rank may use"
     )

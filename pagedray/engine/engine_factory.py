@@ -3,6 +3,7 @@ the scheduler sized with that number, and the tokenizer-side validator."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from tokenizers import Tokenizer
@@ -13,8 +14,22 @@ from pagedray.engine.executor import UniProcExecutor
 from pagedray.engine.prompt_validator import PromptValidator
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.grammar import StructuredOutputManager
+from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.worker_config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def open_tier(path: str | None) -> HostKVTier | None:
+    """The scheduler's handle on the host KV tier file its ranks opened (None: no tier)."""
+    if path is None:
+        return None
+    try:
+        return HostKVTier(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("host KV tier off: %s (%s)", path, exc)
+        return None
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -75,6 +90,7 @@ def build_engine(
         executor,
         eos_token_ids=model_config.eos_token_id,
         structured=structured_output_manager(tokenizer, model_config),
+        host_tier=open_tier(getattr(executor, "host_tier", None)),
     )
     return (
         engine,

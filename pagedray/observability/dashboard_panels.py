@@ -113,6 +113,20 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Host KV tier",
+        "short",
+        "Blocks saved to and loaded from the node's host tier per second (evicted from a pool; "
+        "found there instead of computed), and the blocks it holds.",
+        [
+            (_sum_by_model(_rate("ray_pagedray_host_tier_saved_blocks_total")), "saved/s"),
+            (_sum_by_model(_rate("ray_pagedray_host_tier_loaded_blocks_total")), "loaded/s"),
+            (
+                f"max by (model_name) (ray_pagedray_host_tier_blocks{SELECTOR})",
+                "held {{model_name}}",
+            ),
+        ],
+    ),
+    (
         "Running and waiting requests",
         "short",
         "Summed over engine replicas.",

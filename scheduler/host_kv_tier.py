@@ -1,0 +1,288 @@
+"""The node's host KV tier: blocks evicted from any engine's pool, kept in one shared file.
+
+Every engine of the same model layout on a node (its replicas, and their restarts) opens the
+same file, in shared memory by default (`/dev/shm`), so the node keeps one copy of a block
+whatever the number of replicas, and a replica that starts finds what the others evicted. The
+file holds a header, a ring log of changed slots, one record per slot (block hash, state, last
+use, lease) and then the slots' KV bytes. This module owns the records (plain Python and numpy;
+the scheduler's side); the ranks copy the bytes (workers/host_kv_buffer.py).
+
+Processes coordinate with `flock` on the file and with leases instead of references: a slot that
+a lookup returned, or one being written, is not reused until its lease lapses, so a process that
+dies holding one leaks nothing for longer than a lease. Each process mirrors the hash -> slot
+map and catches up from the ring log, so a lookup costs what changed since its last one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedray.scheduler.prefix_hash import BlockHash
+
+MAGIC = b"PDKVTR01"
+HEADER_BYTES = 4096
+LOG_LEN = 8192  # changed slots kept for mirrors to catch up; further behind, they rebuild
+PAGE = 4096
+# A slot returned by a lookup stays unevictable this long: its load runs in the next step.
+LOAD_LEASE_S = 30.0
+# A slot being written: the step that writes it and the commit after it.
+WRITE_LEASE_S = 120.0
+
+FREE, WRITING, VALID = 0, 1, 2
+
+_HEADER = np.dtype([("magic", "S8"), ("num_slots", "<i8"), ("slot_bytes", "<i8"), ("gen", "<i8")])
+_RECORD = np.dtype(
+    [("hash", "u1", (32,)), ("state", "<i8"), ("last_used", "<f8"), ("lease_until", "<f8")]
+)
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """Where each part of a tier file lies, from its slot count and bytes per slot."""
+
+    num_slots: int
+    slot_bytes: int  # every rank's shard of one block, rank after rank
+
+    @property
+    def log_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def records_offset(self) -> int:
+        return HEADER_BYTES + LOG_LEN * 8
+
+    @property
+    def data_offset(self) -> int:
+        end = self.records_offset + self.num_slots * _RECORD.itemsize
+        return -(-end // PAGE) * PAGE
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_offset + self.num_slots * self.slot_bytes
+
+
+def create_or_open(path: str, num_slots: int, slot_bytes: int) -> TierLayout:
+    """The layout of the tier file at `path`, creating it (sparse: memory is taken as blocks are
+    written) with `num_slots` slots if it does not exist. An existing file of the same slot size
+    keeps its own slot count; one of another slot size is replaced."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        existing = _read_layout(fd)
+        if existing is not None and existing.slot_bytes == slot_bytes:
+            return existing
+        layout = TierLayout(num_slots, slot_bytes)
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, layout.file_bytes)
+        header = np.zeros(1, _HEADER)
+        header[0] = (MAGIC, num_slots, slot_bytes, 0)
+        os.pwrite(fd, header.tobytes(), 0)
+        return layout
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def read_layout(path: str) -> TierLayout:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        layout = _read_layout(fd)
+    finally:
+        os.close(fd)
+    if layout is None:
+        raise ValueError(f"{path}: not a pagedray KV tier file")
+    return layout
+
+
+def _read_layout(fd: int) -> TierLayout | None:
+    raw = os.pread(fd, _HEADER.itemsize, 0)
+    if len(raw) < _HEADER.itemsize:
+        return None
+    header = np.frombuffer(raw, _HEADER)[0]
+    if bytes(header["magic"]) != MAGIC:
+        return None
+    return TierLayout(int(header["num_slots"]), int(header["slot_bytes"]))
+
+
+class HostKVTier:
+    """The scheduler's handle on the node's host tier: find, reserve and publish slots.
+
+    Not thread-safe: one scheduler uses it, from its stepping thread.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.layout = read_layout(path)
+        # A file object rather than a bare descriptor: an engine dropped without `close` frees it.
+        self._file = open(path, "r+b")  # noqa: SIM115 - held for the handle's life
+        self._fd = self._file.fileno()
+        # Only the metadata is mapped here; the ranks map the slots' bytes.
+        self._map = mmap.mmap(self._fd, self.layout.data_offset)
+        self._header = np.ndarray((1,), _HEADER, self._map, 0)
+        self._log = np.ndarray((LOG_LEN,), "<i8", self._map, self.layout.log_offset)
+        self._records = np.ndarray(
+            (self.layout.num_slots,), _RECORD, self._map, self.layout.records_offset
+        )
+        self._gen = 0
+        self._slot_hash: dict[int, BlockHash] = {}  # this process's mirror: VALID and WRITING
+        self._hash_slot: dict[BlockHash, int] = {}
+        self.num_saved = 0  # blocks this engine wrote into the tier
+        self.num_loaded = 0  # blocks this engine found there
+        with self._locked():
+            self._rebuild()
+
+    @property
+    def num_slots(self) -> int:
+        return self.layout.num_slots
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Slots holding the leading run of `block_hashes`, leased for their load."""
+        if not block_hashes:
+            return []
+        slots: list[int] = []
+        with self._locked():
+            self._catch_up()
+            now = time.time()
+            for block_hash in block_hashes:
+                slot = self._hash_slot.get(block_hash)
+                if slot is None or self._records["state"][slot] != VALID:
+                    break
+                leases = self._records["lease_until"]
+                leases[slot] = max(float(leases[slot]), now + LOAD_LEASE_S)
+                self._records["last_used"][slot] = now
+                slots.append(slot)
+        self.num_loaded += len(slots)
+        return slots
+
+    def reserve(self, block_hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """Slots to write these blocks into (those already in the tier are skipped), taken from
+        free slots first, then the least recently used; fewer when too many are leased."""
+        if not block_hashes:
+            return []
+        with self._locked():
+            self._catch_up()
+            wanted = list(dict.fromkeys(h for h in block_hashes if h not in self._hash_slot))
+            if not wanted:
+                return []
+            now = time.time()
+            records = self._records
+            cost = np.where(records["state"] == FREE, -np.inf, records["last_used"])
+            cost = np.where(records["lease_until"] > now, np.inf, cost)
+            count = min(len(wanted), self.num_slots)
+            if count < self.num_slots:
+                candidates = np.argpartition(cost, count - 1)[:count]
+            else:
+                candidates = np.arange(self.num_slots)
+            candidates = candidates[np.argsort(cost[candidates])]
+            victims = [int(slot) for slot in candidates if cost[slot] != np.inf]
+            taken = []
+            for block_hash, slot in zip(wanted, victims):
+                if not self._backed(slot):
+                    break
+                taken.append((block_hash, slot))
+                records["hash"][slot] = np.frombuffer(block_hash, np.uint8)
+                records["state"][slot] = WRITING
+                records["last_used"][slot] = now
+                records["lease_until"][slot] = now + WRITE_LEASE_S
+                self._changed(slot)
+            self._catch_up()
+        return taken
+
+    def publish(self, slots: Sequence[int]) -> None:
+        """The ranks wrote these reserved slots: make them findable."""
+        self._finish_writes(slots, VALID)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The step that was to write these reserved slots failed: free them."""
+        self._finish_writes(slots, FREE)
+
+    def stats(self) -> dict[str, float]:
+        """Blocks held on the node (all engines), and what this engine saved and loaded."""
+        with self._locked():
+            self._catch_up()
+        num_valid = sum(1 for s in self._slot_hash if self._records["state"][s] == VALID)
+        return {
+            "host_tier_num_blocks": num_valid,
+            "host_tier_capacity_blocks": self.num_slots,
+            "host_tier_bytes": num_valid * self.layout.slot_bytes,
+            "host_tier_saved_blocks": self.num_saved,
+            "host_tier_loaded_blocks": self.num_loaded,
+        }
+
+    def close(self) -> None:
+        for view in ("_header", "_log", "_records"):
+            setattr(self, view, None)
+        self._map.close()
+        self._file.close()
+
+    def _backed(self, slot: int) -> bool:
+        """Give a slot its memory before a rank writes it: a write into a sparse file whose
+        filesystem is full would kill the rank (SIGBUS); this fails instead, and the block is
+        not saved. A no-op for a slot written before."""
+        offset = self.layout.data_offset + slot * self.layout.slot_bytes
+        try:
+            os.posix_fallocate(self._fd, offset, self.layout.slot_bytes)
+        except OSError:
+            return False
+        return True
+
+    def _finish_writes(self, slots: Sequence[int], state: int) -> None:
+        if not slots:
+            return
+        with self._locked():
+            records = self._records
+            for slot in slots:
+                records["state"][slot] = state
+                records["lease_until"][slot] = 0.0
+                self._changed(slot)
+            self._catch_up()
+        if state == VALID:
+            self.num_saved += len(slots)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _changed(self, slot: int) -> None:
+        """Log a slot's change for every mirror (the lock is held)."""
+        gen = int(self._header["gen"][0])
+        self._log[gen % LOG_LEN] = slot
+        self._header["gen"][0] = gen + 1
+
+    def _catch_up(self) -> None:
+        """Bring this process's mirror to the file's state (the lock is held)."""
+        gen = int(self._header["gen"][0])
+        if gen - self._gen > LOG_LEN or gen < self._gen:
+            self._rebuild()
+            return
+        for pos in range(self._gen, gen):
+            self._mirror(int(self._log[pos % LOG_LEN]))
+        self._gen = gen
+
+    def _rebuild(self) -> None:
+        self._slot_hash.clear()
+        self._hash_slot.clear()
+        for slot in np.flatnonzero(self._records["state"] != FREE):
+            self._mirror(int(slot))
+        self._gen = int(self._header["gen"][0])
+
+    def _mirror(self, slot: int) -> None:
+        old = self._slot_hash.pop(slot, None)
+        if old is not None and self._hash_slot.get(old) == slot:
+            del self._hash_slot[old]
+        if self._records["state"][slot] == FREE:
+            return
+        block_hash = self._records["hash"][slot].tobytes()
+        self._slot_hash[slot] = block_hash
+        self._hash_slot[block_hash] = slot

@@ -1,0 +1,62 @@
+"""The host KV tier behind Serve: two engine replicas on the node, pools far smaller than the
+traffic. A prompt both pools evicted is answered from the node's tier, token for token, and
+its usage says the prompt was cached; /stats shows each replica's tier figures."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+from _serve_apps import deploy_tiny
+
+MODEL = "tiny"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    yield from deploy_tiny(
+        serve_url,
+        "hosttier",
+        tiny_llama,
+        served_model_name=MODEL,
+        num_replicas=2,
+        routing="power-of-two",
+        num_kv_blocks=24,
+        kv_offloading_size=0.01,
+    )
+
+
+def complete(client: openai.OpenAI, prompt: list[int]) -> Any:
+    return client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+
+
+def replicas(url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
+
+
+def test_a_prompt_both_pools_evicted_comes_back_from_the_tier(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 250) for _ in range(100)]
+    first = complete(client, prompt)
+    # Two dozen other prompts, spread over both replicas: each pool (24 blocks, 7 a prompt)
+    # evicts everything it held several times over.
+    for _ in range(24):
+        complete(client, [rng.randrange(1, 250) for _ in range(100)])
+    stats = replicas(url)
+    assert len(stats) == 2 and all(r["host_tier_saved_blocks"] > 0 for r in stats), stats
+    hits_before = sum(r["external_prefix_cache_hits"] for r in stats)
+    again = complete(client, prompt)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == 6 * BLOCK
+    hits = sum(r["external_prefix_cache_hits"] for r in replicas(url)) - hits_before
+    assert hits == 6 * BLOCK, "the hit came from the tier, not a pool"
+    # One tier for the node: both replicas report the same blocks held.
+    held = {r["host_tier_num_blocks"] for r in replicas(url)}
+    assert len(held) == 1 and held.pop() > 0

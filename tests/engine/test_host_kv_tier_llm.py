@@ -1,0 +1,119 @@
+"""The host KV tier under real engines: a prompt whose blocks were evicted comes back from the
+tier token for token; another engine of the node, or one started later, finds them too; and
+preemption through the tier changes no output."""
+
+from __future__ import annotations
+
+import random
+from typing import Iterator
+
+import pytest
+
+from pagedray.llm import LLM
+from pagedray.scheduler.sampling_params import SamplingParams
+
+BLOCK = 16
+POOL_BLOCKS = 24  # a 100-token prompt takes 7: a few others evict it
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+
+
+def prompts(seed: int, count: int, length: int = 100) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(1, 250) for _ in range(length)]} for _ in range(count)
+    ]
+
+
+def engine(model: str, **overrides) -> LLM:
+    args = {"dtype": "float32", "num_kv_blocks": POOL_BLOCKS, "kv_offloading_size": 0.01}
+    return LLM(model, **{**args, **overrides})
+
+
+def tokens(llm: LLM, batch: list[dict], params: SamplingParams) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(batch, params, use_tqdm=False)]
+
+
+def evict_all(llm: LLM, seed: int) -> None:
+    """Run prompts no other test runs (the tier outlives engines) until `llm`'s pool is new."""
+    for prompt in prompts(1000 + seed, 6):
+        tokens(llm, [prompt], GREEDY)
+
+
+@pytest.fixture
+def first(tiny_llama: str) -> Iterator[LLM]:
+    llm = engine(tiny_llama)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_an_evicted_prompt_comes_back_from_the_tier_token_for_token(
+    first: LLM, params: SamplingParams
+) -> None:
+    seed = 1 if params is GREEDY else 11
+    (prompt,) = prompts(seed, 1)
+    expected = tokens(first, [prompt], params)
+    evict_all(first, seed)
+    before = first.stats()
+    assert before["host_tier_saved_blocks"] > 0
+    assert tokens(first, [prompt], params) == expected
+    after = first.stats()
+    loaded = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
+    assert loaded == 6 * BLOCK, "every full block of the prompt but the last token's is loaded"
+    assert after["prefix_cache_hits"] == before["prefix_cache_hits"], "not from the pool"
+    assert after["num_computed_tokens_total"] - before["num_computed_tokens_total"] == (
+        100 - 6 * BLOCK + len(expected[0]) - 1
+    )
+
+
+def test_engines_of_a_node_share_the_tier_and_a_new_one_starts_warm(
+    first: LLM, tiny_llama: str
+) -> None:
+    batch = prompts(2, 2)
+    expected = tokens(first, batch, GREEDY)
+    evict_all(first, 2)
+    beside = engine(tiny_llama)  # a second replica on the node, while the first runs
+    try:
+        assert tokens(beside, batch[:1], GREEDY) == expected[:1]
+        assert beside.stats()["external_prefix_cache_hits"] == 6 * BLOCK
+    finally:
+        beside.shutdown()
+    first.shutdown()
+    restarted = engine(tiny_llama)  # started after every engine that filled the tier exited
+    try:
+        assert tokens(restarted, batch[1:], GREEDY) == expected[1:]
+        assert restarted.stats()["external_prefix_cache_hits"] == 6 * BLOCK
+    finally:
+        restarted.shutdown()
+
+
+def test_preemption_through_the_tier_changes_no_output(tiny_llama: str) -> None:
+    batch = prompts(3, 6, length=70)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = engine(tiny_llama, num_kv_blocks=256, kv_offloading_size=0)
+    try:
+        expected = tokens(roomy, batch, params)
+        assert "host_tier_num_blocks" not in roomy.stats(), "size 0: no tier"
+    finally:
+        roomy.shutdown()
+    tight = engine(tiny_llama, num_kv_blocks=16, max_num_seqs=6)
+    try:
+        assert tokens(tight, batch, params) == expected
+        stats = tight.stats()
+        assert stats["num_preemptions"] > 0 and stats["host_tier_saved_blocks"] > 0
+    finally:
+        tight.shutdown()
+
+
+def test_each_rank_saves_and_loads_its_shard(ray_cluster, tiny_llama: str) -> None:
+    """At TP = 2 (worker actors), a block's slot holds both ranks' shards of it."""
+    (prompt,) = prompts(4, 1)
+    tp2 = engine(tiny_llama, tensor_parallel_size=2)
+    try:
+        expected = tokens(tp2, [prompt], SEEDED)
+        evict_all(tp2, 4)
+        assert tokens(tp2, [prompt], SEEDED) == expected
+        assert tp2.stats()["external_prefix_cache_hits"] == 6 * BLOCK
+    finally:
+        tp2.shutdown()

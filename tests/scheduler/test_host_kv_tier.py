@@ -1,0 +1,162 @@
+"""The host KV tier's records: what one handle publishes every handle on the file finds; leased
+slots are never reused; eviction takes free slots, then the least recently used."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedray.scheduler import host_kv_tier
+from pagedray.scheduler.host_kv_tier import HostKVTier, create_or_open, read_layout
+
+SLOT_BYTES = 64
+
+
+def block_hash(i: int) -> bytes:
+    # Digests that end in zero bytes too: a record must keep all 32.
+    return hashlib.sha256(str(i).encode()).digest()[:30] + b"\0\0"
+
+
+def tier_file(tmp_path: Path, num_slots: int) -> str:
+    path = str(tmp_path / "tier")
+    create_or_open(path, num_slots, SLOT_BYTES)
+    return path
+
+
+def save(tier: HostKVTier, hashes: list[bytes]) -> list[int]:
+    reserved = tier.reserve(hashes)
+    tier.publish([slot for _, slot in reserved])
+    return [slot for _, slot in reserved]
+
+
+def test_what_one_handle_publishes_the_other_finds(tmp_path: Path) -> None:
+    path = tier_file(tmp_path, 8)
+    writer, reader = HostKVTier(path), HostKVTier(path)
+    hashes = [block_hash(i) for i in range(3)]
+    reserved = writer.reserve(hashes)
+    assert [h for h, _ in reserved] == hashes
+    assert reader.lookup(hashes) == [], "a slot being written is not found"
+    writer.publish([slot for _, slot in reserved])
+    assert reader.lookup(hashes) == [slot for _, slot in reserved]
+    # The leading run only: a missing block ends it.
+    assert reader.lookup([hashes[0], block_hash(99), hashes[2]]) == [reserved[0][1]]
+    assert writer.reserve(hashes) == [], "the node keeps one copy of a block"
+    assert reader.stats()["host_tier_num_blocks"] == 3
+
+
+def test_a_failed_write_frees_its_slots(tmp_path: Path) -> None:
+    tier = HostKVTier(tier_file(tmp_path, 4))
+    reserved = tier.reserve([block_hash(0)])
+    tier.release([slot for _, slot in reserved])
+    assert tier.lookup([block_hash(0)]) == []
+    assert tier.reserve([block_hash(0)]) != [], "a released block can be saved again"
+
+
+def test_leased_slots_are_not_reused_and_the_oldest_go_first(tmp_path: Path) -> None:
+    tier = HostKVTier(tier_file(tmp_path, 4))
+    slots = save(tier, [block_hash(i) for i in range(4)])
+    leased = tier.lookup([block_hash(0)])  # the oldest, but about to be loaded
+    # Expire no lease but the lookup's: the writes' leases ended at publish.
+    taken = tier.reserve([block_hash(10), block_hash(11), block_hash(12), block_hash(13)])
+    assert len(taken) == 3 and leased[0] not in [slot for _, slot in taken]
+    assert {slot for _, slot in taken} == set(slots) - set(leased)
+    assert tier.lookup([block_hash(0)]) == leased
+
+
+def test_least_recently_used_is_evicted(tmp_path: Path) -> None:
+    tier = HostKVTier(tier_file(tmp_path, 3))
+    save(tier, [block_hash(i) for i in range(3)])
+    (slot0,) = tier.lookup([block_hash(0)])
+    expire_leases(tier)
+    ((_, taken),) = tier.reserve([block_hash(7)])
+    assert taken != slot0 and tier.lookup([block_hash(0)]) == [slot0]
+    assert tier.lookup([block_hash(1)]) == [], "block 1 was the least recently used"
+
+
+def test_a_handle_far_behind_rebuilds_its_mirror(tmp_path: Path) -> None:
+    num_slots = host_kv_tier.LOG_LEN + 100
+    path = tier_file(tmp_path, num_slots)
+    late, busy = HostKVTier(path), HostKVTier(path)
+    hashes = [block_hash(i) for i in range(host_kv_tier.LOG_LEN + 50)]
+    slots = save(busy, hashes)  # two changes a slot: far more than the log holds
+    assert late.lookup(hashes) == slots
+
+
+def test_a_file_of_another_slot_size_is_replaced_and_one_of_the_same_kept(tmp_path: Path) -> None:
+    path = str(tmp_path / "tier")
+    create_or_open(path, 4, SLOT_BYTES)
+    save(HostKVTier(path), [block_hash(0)])
+    assert create_or_open(path, 16, SLOT_BYTES).num_slots == 4, "a second opener adopts it"
+    assert HostKVTier(path).lookup([block_hash(0)]) != []
+    assert create_or_open(path, 16, 2 * SLOT_BYTES).num_slots == 16
+    assert HostKVTier(path).lookup([block_hash(0)]) == []
+    assert read_layout(path).slot_bytes == 2 * SLOT_BYTES
+
+
+def test_no_slot_is_handed_out_that_memory_cannot_back(tmp_path: Path, monkeypatch) -> None:
+    """A full filesystem (a small /dev/shm): the block is not saved, and no rank ever writes
+    into a page that does not exist (which would kill it with SIGBUS)."""
+    tier = HostKVTier(tier_file(tmp_path, 4))
+    save(tier, [block_hash(0)])
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(host_kv_tier.os, "posix_fallocate", full)
+    assert tier.reserve([block_hash(1), block_hash(2)]) == []
+    assert tier.lookup([block_hash(0)]) != [], "what was saved stays"
+
+
+def expire_leases(tier: HostKVTier) -> None:
+    tier._records["lease_until"][:] = 0.0
+
+
+# One operation on the tier: (handle, op, block numbers).
+OPS = st.lists(
+    st.tuples(
+        st.integers(0, 1),
+        st.sampled_from(["save", "fail", "lookup", "expire"]),
+        st.lists(st.integers(0, 11), min_size=1, max_size=5),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS)
+def test_handles_agree_and_never_hand_out_a_leased_slot(tmp_path_factory, ops) -> None:
+    path = tier_file(tmp_path_factory.mktemp("tier"), 6)
+    handles = [HostKVTier(path), HostKVTier(path)]
+    leased: dict[int, bytes] = {}  # slot -> the block a lookup leased it for
+    for who, op, blocks in ops:
+        tier, hashes = handles[who], [block_hash(b) for b in blocks]
+        if op in ("save", "fail"):
+            reserved = tier.reserve(hashes)
+            assert not {slot for _, slot in reserved} & set(leased), "a leased slot was reused"
+            slots = [slot for _, slot in reserved]
+            tier.publish(slots) if op == "save" else tier.release(slots)
+        elif op == "lookup":
+            found = tier.lookup(hashes)
+            for slot, wanted in zip(found, hashes):
+                assert tier._records["hash"][slot].tobytes() == wanted
+                leased[slot] = wanted
+        else:
+            expire_leases(tier)
+            leased.clear()
+        for slot, wanted in leased.items():
+            assert handles[1 - who]._records["hash"][slot].tobytes() == wanted
+    stats = [handle.stats()["host_tier_num_blocks"] for handle in handles]
+    assert stats[0] == stats[1] <= 6
+    for handle in handles:
+        handle.close()
+
+
+def test_empty_requests_touch_nothing(tmp_path: Path) -> None:
+    tier = HostKVTier(tier_file(tmp_path, 2))
+    assert tier.lookup([]) == [] and tier.reserve([]) == []
+    tier.publish([])
+    tier.release([])
+    assert tier.stats()["host_tier_num_blocks"] == 0
