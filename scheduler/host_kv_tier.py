@@ -27,7 +27,7 @@ import numpy as np
 
 from pagedray.scheduler.prefix_hash import BlockHash
 
-MAGIC = b"PDKVTR01"
+MAGIC = b"PDKVTR02"
 HEADER_BYTES = 4096
 LOG_LEN = 8192  # changed slots kept for mirrors to catch up; further behind, they rebuild
 PAGE = 4096
@@ -38,9 +38,22 @@ WRITE_LEASE_S = 120.0
 
 FREE, WRITING, VALID = 0, 1, 2
 
-_HEADER = np.dtype([("magic", "S8"), ("num_slots", "<i8"), ("slot_bytes", "<i8"), ("gen", "<i8")])
+_HEADER = np.dtype(
+    [
+        ("magic", "S8"),
+        ("num_slots", "<i8"),
+        ("slot_bytes", "<i8"),
+        ("gen", "<i8"),  # changes logged so far
+        ("hand", "<i8"),  # the eviction clock's next slot
+    ]
+)
 _RECORD = np.dtype(
-    [("hash", "u1", (32,)), ("state", "<i8"), ("last_used", "<f8"), ("lease_until", "<f8")]
+    [
+        ("hash", "u1", (32,)),
+        ("state", "<i8"),
+        ("referenced", "<i8"),  # found since the clock last passed: spared once
+        ("lease_until", "<f8"),  # time.time() before which the slot is not reused
+    ]
 )
 
 
@@ -83,7 +96,7 @@ def create_or_open(path: str, num_slots: int, slot_bytes: int) -> TierLayout:
         os.ftruncate(fd, 0)
         os.ftruncate(fd, layout.file_bytes)
         header = np.zeros(1, _HEADER)
-        header[0] = (MAGIC, num_slots, slot_bytes, 0)
+        header[0] = (MAGIC, num_slots, slot_bytes, 0, 0)
         os.pwrite(fd, header.tobytes(), 0)
         return layout
     finally:
@@ -134,7 +147,6 @@ class HostKVTier:
         self._slot_hash: dict[int, BlockHash] = {}  # this process's mirror: VALID and WRITING
         self._hash_slot: dict[BlockHash, int] = {}
         self.num_saved = 0  # blocks this engine wrote into the tier
-        self.num_loaded = 0  # blocks this engine found there
         with self._locked():
             self._rebuild()
 
@@ -156,14 +168,15 @@ class HostKVTier:
                     break
                 leases = self._records["lease_until"]
                 leases[slot] = max(float(leases[slot]), now + LOAD_LEASE_S)
-                self._records["last_used"][slot] = now
+                self._records["referenced"][slot] = 1
                 slots.append(slot)
-        self.num_loaded += len(slots)
         return slots
 
     def reserve(self, block_hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """Slots to write these blocks into (those already in the tier are skipped), taken from
-        free slots first, then the least recently used; fewer when too many are leased."""
+        """Slots to write these blocks into (those already in the tier are skipped), fewer when
+        too many are leased. Eviction is a clock (second chance): the hand goes round the slots
+        taking the first that is not leased, sparing once a block found since it last passed,
+        so a step's saves cost what they take, not a scan of the tier."""
         if not block_hashes:
             return []
         with self._locked():
@@ -173,27 +186,35 @@ class HostKVTier:
                 return []
             now = time.time()
             records = self._records
-            cost = np.where(records["state"] == FREE, -np.inf, records["last_used"])
-            cost = np.where(records["lease_until"] > now, np.inf, cost)
-            count = min(len(wanted), self.num_slots)
-            if count < self.num_slots:
-                candidates = np.argpartition(cost, count - 1)[:count]
-            else:
-                candidates = np.arange(self.num_slots)
-            candidates = candidates[np.argsort(cost[candidates])]
-            victims = [int(slot) for slot in candidates if cost[slot] != np.inf]
-            taken = []
-            for block_hash, slot in zip(wanted, victims):
-                if not self._backed(slot):
+            taken: list[tuple[BlockHash, int]] = []
+            for block_hash in wanted:
+                slot = self._clock_victim(now)
+                if slot is None or not self._backed(slot):
                     break
                 taken.append((block_hash, slot))
                 records["hash"][slot] = np.frombuffer(block_hash, np.uint8)
                 records["state"][slot] = WRITING
-                records["last_used"][slot] = now
+                records["referenced"][slot] = 0
                 records["lease_until"][slot] = now + WRITE_LEASE_S
                 self._changed(slot)
             self._catch_up()
         return taken
+
+    def _clock_victim(self, now: float) -> int | None:
+        """The next slot the clock may reuse (the lock is held); None when every slot is leased."""
+        records, num_slots = self._records, self.num_slots
+        hand = int(self._header["hand"][0])
+        for _ in range(2 * num_slots):  # one pass clears every spared slot's mark
+            slot, hand = hand, (hand + 1) % num_slots
+            if records["lease_until"][slot] > now:
+                continue
+            if records["referenced"][slot]:
+                records["referenced"][slot] = 0
+                continue
+            self._header["hand"][0] = hand
+            return slot
+        self._header["hand"][0] = hand
+        return None
 
     def publish(self, slots: Sequence[int]) -> None:
         """The ranks wrote these reserved slots: make them findable."""
@@ -204,7 +225,7 @@ class HostKVTier:
         self._finish_writes(slots, FREE)
 
     def stats(self) -> dict[str, float]:
-        """Blocks held on the node (all engines), and what this engine saved and loaded."""
+        """Blocks held on the node (all engines), and what this engine saved."""
         with self._locked():
             self._catch_up()
         num_valid = sum(1 for s in self._slot_hash if self._records["state"][s] == VALID)
@@ -213,7 +234,6 @@ class HostKVTier:
             "host_tier_capacity_blocks": self.num_slots,
             "host_tier_bytes": num_valid * self.layout.slot_bytes,
             "host_tier_saved_blocks": self.num_saved,
-            "host_tier_loaded_blocks": self.num_loaded,
         }
 
     def close(self) -> None:

@@ -67,6 +67,7 @@ class KVCacheManager:
         # vLLM's names for tokens looked up in, and found in, a tier below the pool.
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
+        self.host_tier_loaded_blocks = 0  # a lookup leases; only an admitted one loads
 
     @property
     def num_blocks(self) -> int:
@@ -82,7 +83,7 @@ class KVCacheManager:
 
     def stats(self) -> dict[str, float]:
         """Pool occupancy and prefix-cache counters (tokens), under the scheduler's stat names."""
-        return {
+        stats = {
             "num_kv_blocks": self.num_blocks,
             "num_free_blocks": self.num_free_blocks,
             "kv_usage": self.usage,
@@ -92,8 +93,11 @@ class KVCacheManager:
             "preempted_prefix_cache_hits": self.preempted_prefix_cache_hits,
             "external_prefix_cache_queries": self.external_prefix_cache_queries,
             "external_prefix_cache_hits": self.external_prefix_cache_hits,
-            **(self.host_tier.stats() if self.host_tier is not None else {}),
         }
+        if self.host_tier is not None:
+            stats |= self.host_tier.stats()
+            stats["host_tier_loaded_blocks"] = self.host_tier_loaded_blocks
+        return stats
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
@@ -137,18 +141,29 @@ class KVCacheManager:
         max_hit_blocks = max(0, (req.num_tokens - 1) // self.block_size)
         return self.host_tier.lookup(block_hashes[num_device_blocks:max_hit_blocks])
 
-    def take_saves(self) -> list[tuple[int, int]]:
-        """(block id, tier slot) for the cached blocks evicted while planning this step, for the
-        workers to save before anything overwrites them; published by `step_done`."""
+    def take_saves(
+        self, computed: Sequence[KVCacheBlock]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Tier slots for the blocks the step being planned must save, published by `step_done`:
+        (block id, slot) of the cached blocks evicted while planning it that the tier lacks
+        (saved before anything overwrites them), and of the full blocks it computes, `computed`
+        (saved once computed). A block the tier holds already is not saved again."""
         if self.host_tier is None:
-            return []
+            return [], []
         evicted = self.block_pool.take_evicted()
-        if not evicted:
-            return []
-        block_of = {block_hash: block_id for block_id, block_hash in evicted}
-        reserved = self.host_tier.reserve([block_hash for _, block_hash in evicted])
+        fresh = [
+            (block.block_id, block.block_hash) for block in computed if block.block_hash is not None
+        ]
+        if not evicted and not fresh:
+            return [], []
+        block_of = {block_hash: block_id for block_id, block_hash in evicted + fresh}
+        reserved = self.host_tier.reserve([block_hash for _, block_hash in evicted + fresh])
         self.saving += [slot for _, slot in reserved]
-        return [(block_of[block_hash], slot) for block_hash, slot in reserved]
+        was_evicted = {block_hash for _, block_hash in evicted}
+        before, after = [], []
+        for block_hash, slot in reserved:
+            (before if block_hash in was_evicted else after).append((block_of[block_hash], slot))
+        return before, after
 
     def step_done(self, ran: bool) -> None:
         """The step planned last has run (`ran`) or failed: publish or free its tier writes."""
@@ -217,6 +232,7 @@ class KVCacheManager:
         new_block_ids = [block.block_id for block in new_computed_blocks]
         new_block_ids += [block.block_id for block in fresh_blocks]
         loads = [(slot, block.block_id) for slot, block in zip(host_slots, fresh_blocks)]
+        self.host_tier_loaded_blocks += len(loads)
         return Allocation(new_block_ids, copies, replaced=bool(copies), loads=loads)
 
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> list[KVCacheBlock]:

@@ -71,10 +71,13 @@ class SchedulerOutput:
     # every step, and a CPU rank leaves it the cores it reserves (workers/cpu_threads.py).
     streaming: bool = True
     # The node's host KV tier (scheduler/host_kv_tier.py). Run first, in this order, before the
-    # copies: evicted blocks saved (pool block id, tier slot) before anything overwrites them,
-    # then prefix hits found there loaded (tier slot, pool block id).
+    # copies: evicted blocks the tier lacks saved (pool block id, tier slot) before anything
+    # overwrites them, then prefix hits found there loaded (tier slot, pool block id).
     blocks_to_save: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    # Full blocks this step computes, saved (pool block id, tier slot) after the forward pass:
+    # the tier holds what the pool holds, so neither an eviction nor a dead engine loses it.
+    computed_blocks_to_save: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -151,7 +151,10 @@ class Scheduler:
 
         plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
         plan.finished_req_ids = self.worker_view.take_finished()
-        plan.blocks_to_save = self.kv_cache_manager.take_saves()
+        computed = self.indexed_in_step if self.config.kv_offloading_write_through else []
+        plan.blocks_to_save, plan.computed_blocks_to_save = self.kv_cache_manager.take_saves(
+            computed
+        )
         self._step_id += 1
         self.num_computed_tokens_total += plan.total_num_scheduled_tokens
         self.num_cow_copies += len(plan.blocks_to_copy)

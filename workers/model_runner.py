@@ -66,6 +66,8 @@ class ModelRunner:
             scheduler_output
         )
         hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # [num_tokens, hidden]
+        if self.host_tier is not None and scheduler_output.computed_blocks_to_save:
+            self.host_tier.save(self.kv_cache, scheduler_output.computed_blocks_to_save)
         prompt_logprobs = {}
         if self.batch.prompt_logprob_reqs:
             prompt_logprobs = self._prompt_logprobs(scheduler_output, hidden)

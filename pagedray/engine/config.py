@@ -132,6 +132,13 @@ class EngineConfig(BaseModel):
         "evicted blocks go there and prefix misses are loaded from it (default: a quarter of "
         "the memory free at start, at most 8; 0: off)",
     )
+    kv_offloading_write_through: bool = Field(
+        False,
+        description="save every block to the host KV tier as it is computed, not only when the "
+        "pool evicts it: a restarted replica, or one a request migrates to, finds the pool's "
+        "blocks too, for one copy of each block (on a CPU with cold memory, 9% of offline "
+        "throughput until the tier's memory has been written once)",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="CUDA: the share of device memory a rank may use"
     )

@@ -117,3 +117,19 @@ def test_each_rank_saves_and_loads_its_shard(ray_cluster, tiny_llama: str) -> No
         assert tp2.stats()["external_prefix_cache_hits"] == 6 * BLOCK
     finally:
         tp2.shutdown()
+
+
+def test_written_through_a_prompt_is_in_the_tier_before_any_eviction(tiny_llama: str) -> None:
+    """With write-through, the engine beside finds the blocks its neighbour still holds in its
+    pool (as a replica a request migrates to, or a restarted one, would)."""
+    (prompt,) = prompts(5, 1)
+    writer = engine(tiny_llama, num_kv_blocks=256, kv_offloading_write_through=True)
+    reader = engine(tiny_llama, num_kv_blocks=256)
+    try:
+        expected = tokens(writer, [prompt], SEEDED)
+        assert writer.stats()["host_tier_saved_blocks"] >= 6
+        assert tokens(reader, [prompt], SEEDED) == expected
+        assert reader.stats()["external_prefix_cache_hits"] == 6 * BLOCK
+    finally:
+        writer.shutdown()
+        reader.shutdown()
