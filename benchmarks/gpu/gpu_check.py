@@ -14,6 +14,8 @@ so far is kept, the next stage runs). Stages, most important first:
                 gathered cache and flex_attention (benchmarks/gpu/decode_table.py)
   throughput    a ~1B random Llama in bf16: pagedray against transformers' static and continuous
                 batching on 256 ShareGPT-like requests (benchmarks/gpu/engine_check.py)
+  host_tier     saving blocks from the device pool into the node's host KV tier and loading them
+                back, against a pinned device-to-host copy (benchmarks/gpu/host_tier_check.py)
 
 Writes `results.json`, `results.md` and `kit.log` (each stage's output) to `--out`. `--dry-run`
 runs the same stages on the CPU with tiny shapes (the torch reference in place of the GPU
@@ -57,6 +59,7 @@ STAGES = (
     Stage("equality", 80.0, (str(HERE / "engine_check.py"), "equality", "--json", "{json}")),
     Stage("decode_table", 90.0, (str(HERE / "decode_table.py"), "--json", "{json}")),
     Stage("throughput", 150.0, (str(HERE / "engine_check.py"), "throughput", "--json", "{json}")),
+    Stage("host_tier", 30.0, (str(HERE / "host_tier_check.py"), "--json", "{json}")),
 )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ def markdown(results: dict[str, Any]) -> str:
         ("equality", _equality),
         ("decode_table", _decode_table),
         ("throughput", _throughput),
+        ("host_tier", _host_tier),
     ):
         data = stages.get(name, {}).get("data")
         if data:
@@ -97,4 +98,22 @@ def _throughput(data: dict[str, Any]) -> list[str]:
         rate = result["output_tokens_per_s"]
         ratio = f"{ours / rate:.2f}x" if ours else ""
         lines.append(f"| {name} | {rate:,.0f} | {ratio} |")
+    return lines
+
+
+def _host_tier(data: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## Host KV tier: device pool <-> tier file ({data['device']}, "
+        f"{data['block_bytes']} bytes a block)",
+        "",
+        "| blocks | MiB | save ms | load ms | save GB/s | load GB/s | pinned copy GB/s "
+        "| pageable copy GB/s | save / pinned | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        lines.append(
+            f"| {row['blocks']} | {row['mib']} | {row['save_ms']} | {row['load_ms']} | "
+            f"{row['save_gbps']} | {row['load_gbps']} | {row['pinned_copy_gbps']} | "
+            f"{row['pageable_copy_gbps']} | {row['save_of_pinned']} | {row['bit_identical']} |"
+        )
     return lines

@@ -103,12 +103,18 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     (
         "Prefix cache hit rate",
         "percentunit",
-        "Prompt tokens found cached / tokens looked up.",
+        "Prompt tokens found in the pools / tokens looked up; and of the tokens past the pools' "
+        "hits, those loaded from the node's host KV tier.",
         [
             (
                 f"{_sum_by_model(_rate('ray_pagedray_prefix_cache_hits_total'))} / "
                 f"{_sum_by_model(_rate('ray_pagedray_prefix_cache_queries_total'))}",
-                "{{model_name}}",
+                "pool {{model_name}}",
+            ),
+            (
+                f"{_sum_by_model(_rate('ray_pagedray_external_prefix_cache_hits_total'))} / "
+                f"{_sum_by_model(_rate('ray_pagedray_external_prefix_cache_queries_total'))}",
+                "host tier {{model_name}}",
             ),
         ],
     ),

@@ -13,15 +13,19 @@ from pagedray.llm import LLM
 from pagedray.scheduler.sampling_params import SamplingParams
 
 BLOCK = 16
+SALT = __name__
 POOL_BLOCKS = 24  # a 100-token prompt takes 7: a few others evict it
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 
 
 def prompts(seed: int, count: int, length: int = 100) -> list[dict]:
+    """Seeded prompts, salted apart from any other test's: the tier outlives each engine, and
+    every engine of the session's tiny model shares it."""
     rng = random.Random(seed)
     return [
-        {"prompt_token_ids": [rng.randrange(1, 250) for _ in range(length)]} for _ in range(count)
+        {"prompt_token_ids": [rng.randrange(1, 250) for _ in range(length)], "cache_salt": SALT}
+        for _ in range(count)
     ]
 
 
