@@ -48,6 +48,7 @@ from pagedray.workers.host_kv_buffer import TIER_DIR_ENV
 
 BLOCK = 16  # pagedray's tokens per KV block; vLLM's CPU blocks hold 128
 TIER_GIB = 1.0  # pagedray's host tier: far more than the trace's working set
+MAX_MODEL_LEN = 2048  # the default model's, given to both servers
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Shape:
     stagger_s: float  # between two sessions' starts
 
 
-FULL = Shape(16, 6, 512, 256, (96, 160), (32, 48), (0.5, 2.0), 0.4)
+FULL = Shape(16, 6, 448, 224, (80, 144), (32, 48), (0.5, 2.0), 0.4)
 QUICK = Shape(6, 4, 384, 192, (64, 128), (24, 32), (0.3, 1.0), 0.3)
 
 
@@ -131,6 +132,10 @@ class Trace:
         follow = self.inputs[turn.session][turn.index + 1]
         return f"{turn.prompt}{turn.answer}\n\nUser: {follow}\n\nAssistant:"
 
+    def fits(self, prompt: str, max_tokens: int) -> bool:
+        """Whether a turn stays within the context every system serves (`MAX_MODEL_LEN`)."""
+        return len(self.tokenizer.encode(prompt)) + max_tokens <= MAX_MODEL_LEN
+
     def minimum(self, turns: list[Turn]) -> int:
         """Prompt tokens no cache could have spared: of each prompt, those past its longest
         common prefix with any prompt or prompt + answer sent before it."""
@@ -192,12 +197,12 @@ async def run_trace(url: str, trace: Trace, system: str) -> Result:
             for step in range(trace.shape.turns):
                 await send(client, model, turn)
                 turns.append(turn)
-                if step + 1 == trace.shape.turns:
-                    break
+                follow = trace.next_prompt(turn)
+                max_tokens = trace.max_tokens[index][step + 1]
+                if step + 1 == trace.shape.turns or not trace.fits(follow, max_tokens):
+                    break  # a session ends where its context would outgrow the model's
                 await asyncio.sleep(trace.think_s[index][step])
-                turn = Turn(
-                    index, step + 1, trace.next_prompt(turn), trace.max_tokens[index][step + 1]
-                )
+                turn = Turn(index, step + 1, follow, max_tokens)
             finished.append(index)
 
         start = time.perf_counter()
@@ -222,8 +227,10 @@ def probe_turn(trace: Trace, result: Result) -> Turn:
     history the pools most likely evicted."""
     session = result.finished_order[0]
     last = max((t for t in result.turns if t.session == session), key=lambda t: t.index)
-    follow = Turn(session, last.index + 1, trace.next_prompt(last), trace.max_tokens[session][-1])
-    return follow
+    # A short next input and answer, so that it fits where the session's next turn may not.
+    words = " ".join(trace.inputs[session][last.index + 1].split()[:16])
+    prompt = f"{last.prompt}{last.answer}\n\nUser: {words}\n\nAssistant:"
+    return Turn(session, last.index + 1, prompt, 8)
 
 
 def pagedray_server(args: argparse.Namespace, path: str, log_dir: Path, tier_gib: float) -> Server:
@@ -233,7 +240,7 @@ def pagedray_server(args: argparse.Namespace, path: str, log_dir: Path, tier_gib
         "--num-replicas", "2",
         "--num-kv-blocks", str(args.blocks_per_replica),
         "--kv-offloading-size", str(tier_gib),
-        "--max-model-len", "2048",
+        "--max-model-len", str(MAX_MODEL_LEN),
     )  # fmt: skip
     return Server(path, args.server_threads, 1, log_dir, 1, flags)
 
@@ -243,7 +250,7 @@ def vllm_server(args: argparse.Namespace, path: str, log_dir: Path) -> VllmServe
     flags = (
         "--num-gpu-blocks-override", str(max(16, total_tokens // 128)),
         "--enable-prompt-tokens-details",
-        "--max-model-len", "2048",
+        "--max-model-len", str(MAX_MODEL_LEN),
     )  # fmt: skip
     return VllmServer(vllm_env(args), path, log_dir, flags)
 
@@ -280,6 +287,8 @@ def report(results: list[Result], warm: Turn | None, cold: Turn | None) -> None:
         "| TTFT first p50/p90 ms | TTFT later p50/p90 ms | output tok/s |\n"
         "|---|---|---|---|---|---|"
     )
+    for r in results:
+        print(f"{r.system}: {len(r.turns)} turns")
     for r in results:
         prompt = sum(t.prompt_tokens for t in r.turns)
         computed = prompt - sum(t.cached_tokens for t in r.turns)
@@ -335,12 +344,16 @@ def main() -> None:
         longest = len(trace.tokenizer.encode(trace.first_prompt(0))) + shape.turns * (
             shape.later_input[1] + shape.output[1] + 8
         )
+        longest = min(longest, MAX_MODEL_LEN)
         working_set = shape.system + shape.sessions * (longest - shape.system)
-        args.blocks_per_replica = max(-(-2048 // BLOCK), working_set // 4 // 2 // BLOCK)
+        args.blocks_per_replica = max(-(-MAX_MODEL_LEN // BLOCK), working_set // 4 // 2 // BLOCK)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')}; {path}; {shape.sessions} sessions x {shape.turns} "
-        f"turns; 2 replicas x {args.blocks_per_replica} blocks of {BLOCK} tokens"
+        f"turns (fewer where a context would pass {MAX_MODEL_LEN} tokens); 2 replicas x "
+        f"{args.blocks_per_replica} blocks of {BLOCK} tokens"
     )
+    if not args.no_vllm:
+        vllm_env(args).check()  # before anything runs: exits with a message if it is missing
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     tier_dir = tempfile.mkdtemp(prefix="agentic_tier_", dir=shm)
     os.environ[TIER_DIR_ENV] = tier_dir  # the servers' tier files: this run's alone
@@ -356,7 +369,6 @@ def main() -> None:
         cold = pagedray(0, "restart, cold", probe)
         results.append(pagedray(0, "pagedray, no tier"))
         if not args.no_vllm:
-            vllm_env(args).check()
             make_vllm = functools.partial(vllm_server, args, path)
             results.append(served(make_vllm, trace, "vLLM", args.startup_timeout))
     finally:

@@ -42,6 +42,8 @@ _CUMULATIVE_STATS = (
     "external_prefix_cache_hits",
     "host_tier_saved_blocks",
     "host_tier_loaded_blocks",
+    "disk_tier_saved_blocks",
+    "disk_tier_loaded_blocks",
 )
 # What a request finishes with (`RequestStatus.finish_reason`; aborts are no success).
 FINISHED_REASONS = ("stop", "length")
@@ -108,6 +110,16 @@ class EngineMetrics:
         )
         self.host_tier_loaded_blocks = counter(
             "pagedray_host_tier_loaded_blocks", "KV blocks loaded from the host tier into the pool."
+        )
+        self.disk_tier_saved_blocks = counter(
+            "pagedray_disk_tier_saved_blocks",
+            "KV blocks the host tier moved down to the disk tier.",
+        )
+        self.disk_tier_loaded_blocks = counter(
+            "pagedray_disk_tier_loaded_blocks", "KV blocks loaded from the disk tier into the pool."
+        )
+        self.disk_tier_blocks = gauge(
+            "pagedray_disk_tier_blocks", "KV blocks held in the node's disk tier (--kv-disk-dir)."
         )
         self.host_tier_blocks = gauge(
             "pagedray_host_tier_blocks",
@@ -181,6 +193,7 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_usage"])
         self.host_tier_blocks.set(stats.get("host_tier_num_blocks", 0))
+        self.disk_tier_blocks.set(stats.get("disk_tier_num_blocks", 0))
         for key in _CUMULATIVE_STATS:
             total = stats.get(key, 0)  # the tier's keys exist only with a tier
             delta = total - self._last_totals[key]

@@ -110,7 +110,7 @@ class RayExecutor:
     Attributes:
         num_kv_blocks: KV blocks every rank can hold (the minimum over ranks); the scheduler's
             block pool is sized with it.
-        host_tier: the path of the node's host KV tier file every rank opened, or None.
+        kv_tiers: the node's KV tier files every rank opened, by name ("host", "disk").
         workers: actor handles, index = rank.
         actor_ids: the workers' Ray actor ids, index = rank.
         actor_names: the workers' actor names, index = rank: `pagedray-<engine>-rank<r>`, as
@@ -135,7 +135,7 @@ class RayExecutor:
         self.worker_config = _rank_config(worker_config, self.placement.use_gpu)
         self.workers: list[ActorHandle] = []
         self.actor_ids: list[str] = []
-        self.host_tier: str | None = None
+        self.kv_tiers: dict[str, str] = {}
         self._dispatcher: _Dispatcher | None = None
         self.dispatch: Dispatch = dispatch
         try:
@@ -202,13 +202,15 @@ class RayExecutor:
     def _init_kv_caches(self) -> int:
         fits: list[int] = ray.get([w.determine_num_kv_blocks.remote() for w in self.workers])
         num_blocks = min(fits)
-        tiers: list[str | None] = ray.get(
+        tiers: list[dict[str, str]] = ray.get(
             [w.init_kv_cache.remote(num_blocks) for w in self.workers]
         )
         # Every rank must hold its shard of a saved block, or no rank may load it; and the
         # scheduler reads the file's records, so it must be on the ranks' node.
-        if all(tiers) and self._workers_on_this_node():
-            self.host_tier = tiers[0]
+        if self._workers_on_this_node():
+            self.kv_tiers = {
+                name: path for name, path in tiers[0].items() if all(name in t for t in tiers)
+            }
         return num_blocks
 
     def _workers_on_this_node(self) -> bool:

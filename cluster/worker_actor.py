@@ -57,8 +57,8 @@ class WorkerActor:
     def determine_num_kv_blocks(self) -> int:
         return compute_thread().run(self._worker.determine_num_kv_blocks)
 
-    def init_kv_cache(self, num_blocks: int) -> str | None:
-        """Allocate the pool; the node's host KV tier's path, if this rank opened one."""
+    def init_kv_cache(self, num_blocks: int) -> dict[str, str]:
+        """Allocate the pool; the node's KV tiers' paths by name, those this rank opened."""
         return compute_thread().run(self._worker.init_kv_cache, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -130,9 +130,15 @@ class HostKVTier:
     Not thread-safe: one scheduler uses it, from its stepping thread.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, name: str = "host", lower: HostKVTier | None = None) -> None:
+        """`name` prefixes its stats ("host", "disk"); `lower`: the tier a block this one
+        evicts goes down to (the disk tier below the host's), None: evicted blocks are gone."""
         self.path = path
+        self.name = name
+        self.lower = lower
         self.layout = read_layout(path)
+        if lower is not None and lower.layout.slot_bytes != self.layout.slot_bytes:
+            raise ValueError(f"{lower.path}: its slots differ in size from {path}'s")
         # A file object rather than a bare descriptor: an engine dropped without `close` frees it.
         self._file = open(path, "r+b")  # noqa: SIM115 - held for the handle's life
         self._fd = self._file.fileno()
@@ -192,6 +198,8 @@ class HostKVTier:
                 if slot is None or not self._backed(slot):
                     break
                 taken.append((block_hash, slot))
+                if self.lower is not None and records["state"][slot] == VALID:
+                    self._demote(slot)
                 records["hash"][slot] = np.frombuffer(block_hash, np.uint8)
                 records["state"][slot] = WRITING
                 records["referenced"][slot] = 0
@@ -199,6 +207,25 @@ class HostKVTier:
                 self._changed(slot)
             self._catch_up()
         return taken
+
+    def _demote(self, slot: int) -> None:
+        """Copy the block this tier is about to drop into the tier below (the lock is held; the
+        lower's is taken inside it, always in this order). The kernel copies file to file."""
+        assert self.lower is not None
+        block_hash = self._records["hash"][slot].tobytes()
+        reserved = self.lower.reserve([block_hash])
+        if not reserved:
+            return  # there already, or every slot below is leased
+        ((_, target),) = reserved
+        size = self.layout.slot_bytes
+        source = self.layout.data_offset + slot * size
+        dest = self.lower.layout.data_offset + target * size
+        try:
+            _copy_range(self._fd, self.lower._fd, size, source, dest)
+        except OSError:
+            self.lower.release([target])
+            return
+        self.lower.publish([target])
 
     def _clock_victim(self, now: float) -> int | None:
         """The next slot the clock may reuse (the lock is held); None when every slot is leased."""
@@ -225,16 +252,19 @@ class HostKVTier:
         self._finish_writes(slots, FREE)
 
     def stats(self) -> dict[str, float]:
-        """Blocks held on the node (all engines), and what this engine saved."""
+        """Blocks held on the node (all engines), and what this engine saved; the lower tier's
+        too (its saved blocks are those this engine moved down)."""
         with self._locked():
             self._catch_up()
         num_valid = sum(1 for s in self._slot_hash if self._records["state"][s] == VALID)
-        return {
-            "host_tier_num_blocks": num_valid,
-            "host_tier_capacity_blocks": self.num_slots,
-            "host_tier_bytes": num_valid * self.layout.slot_bytes,
-            "host_tier_saved_blocks": self.num_saved,
+        prefix = f"{self.name}_tier"
+        stats: dict[str, float] = {
+            f"{prefix}_num_blocks": num_valid,
+            f"{prefix}_capacity_blocks": self.num_slots,
+            f"{prefix}_bytes": num_valid * self.layout.slot_bytes,
+            f"{prefix}_saved_blocks": self.num_saved,
         }
+        return stats | (self.lower.stats() if self.lower is not None else {})
 
     def close(self) -> None:
         for view in ("_header", "_log", "_records"):
@@ -306,3 +336,18 @@ class HostKVTier:
         block_hash = self._records["hash"][slot].tobytes()
         self._slot_hash[slot] = block_hash
         self._hash_slot[block_hash] = slot
+
+
+def _copy_range(source_fd: int, dest_fd: int, size: int, source: int, dest: int) -> None:
+    """`size` bytes from one file's offset to another's, in the kernel where it can."""
+    done = 0
+    try:
+        while done < size:
+            copied = os.copy_file_range(source_fd, dest_fd, size - done, source + done, dest + done)
+            if copied == 0:
+                raise OSError(f"copy_file_range stopped at {done} of {size} bytes")
+            done += copied
+    except OSError:
+        if done:
+            raise
+        os.pwrite(dest_fd, os.pread(source_fd, size, source), dest)  # across filesystems

@@ -28,8 +28,22 @@ class Allocation:
     copies: list[tuple[int, int]]
     replaced: bool  # some existing table entry changed (a CoW), not only appends
     # Prefix hits found in the host tier, (tier slot, block id): the workers load them into the
-    # first fresh blocks before the forward pass.
+    # first fresh blocks before the forward pass; then those found in the disk tier.
     loads: list[tuple[int, int]] = field(default_factory=list)
+    disk_loads: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class TierHits:
+    """A request's leading blocks found below the pool, past its pool hits, in prefix order:
+    the host tier's slots, then the disk tier's (leased for their load)."""
+
+    host: list[int] = field(default_factory=list)
+    disk: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.host) + len(self.disk)
 
 
 class KVCacheManager:
@@ -68,6 +82,7 @@ class KVCacheManager:
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
         self.host_tier_loaded_blocks = 0  # a lookup leases; only an admitted one loads
+        self.disk_tier_loaded_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -97,6 +112,8 @@ class KVCacheManager:
         if self.host_tier is not None:
             stats |= self.host_tier.stats()
             stats["host_tier_loaded_blocks"] = self.host_tier_loaded_blocks
+            if self.host_tier.lower is not None:
+                stats["disk_tier_loaded_blocks"] = self.disk_tier_loaded_blocks
         return stats
 
     def get_block_ids(self, req_id: str) -> list[int]:
@@ -132,14 +149,20 @@ class KVCacheManager:
             computed_blocks.append(block)
         return computed_blocks, len(computed_blocks) * self.block_size
 
-    def get_host_tier_hits(self, req: Request, num_device_blocks: int) -> list[int]:
-        """Tier slots holding the full blocks that follow `req`'s `num_device_blocks` pool hits,
-        leased for their load; capped as `get_computed_blocks` is. Pass them to `allocate_slots`."""
+    def get_tier_hits(self, req: Request, num_device_blocks: int) -> TierHits:
+        """The tiers' slots holding the full blocks that follow `req`'s `num_device_blocks` pool
+        hits, leased for their load; capped as `get_computed_blocks` is. Pass them to
+        `allocate_slots`."""
         if self.host_tier is None or req.sampling_params.prompt_logprobs is not None:
-            return []
+            return TierHits()
         block_hashes = self._update_block_hashes(req)
         max_hit_blocks = max(0, (req.num_tokens - 1) // self.block_size)
-        return self.host_tier.lookup(block_hashes[num_device_blocks:max_hit_blocks])
+        wanted = block_hashes[num_device_blocks:max_hit_blocks]
+        hits = TierHits(host=self.host_tier.lookup(wanted))
+        disk = self.host_tier.lower
+        if disk is not None and len(hits.host) < len(wanted):
+            hits.disk = disk.lookup(wanted[len(hits.host) :])
+        return hits
 
     def take_saves(
         self, computed: Sequence[KVCacheBlock]
@@ -160,7 +183,8 @@ class KVCacheManager:
         reserved = self.host_tier.reserve([block_hash for _, block_hash in evicted + fresh])
         self.saving += [slot for _, slot in reserved]
         was_evicted = {block_hash for _, block_hash in evicted}
-        before, after = [], []
+        before: list[tuple[int, int]] = []
+        after: list[tuple[int, int]] = []
         for block_hash, slot in reserved:
             (before if block_hash in was_evicted else after).append((block_of[block_hash], slot))
         return before, after
@@ -180,7 +204,7 @@ class KVCacheManager:
         req: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
-        host_slots: Sequence[int] = (),
+        tier_hits: TierHits | None = None,
     ) -> Allocation | None:
         """Grow `req`'s table to hold its computed tokens, the prefix hit and `num_new_tokens`.
 
@@ -191,14 +215,15 @@ class KVCacheManager:
             req: The sequence; `req.num_computed_tokens` excludes `new_computed_blocks`.
             num_new_tokens: Tokens to be computed (written into KV slots) this step.
             new_computed_blocks: Prefix-hit blocks from `get_computed_blocks`, first admission only.
-            host_slots: The tier's hits that follow them (`get_host_tier_hits`): as many fresh
-                blocks are loaded from the tier and count as computed.
+            tier_hits: The tiers' hits that follow them (`get_tier_hits`): as many fresh blocks
+                are loaded from the tiers and count as computed.
 
         Returns:
             The table's changes, or None (and nothing changed) if too few blocks are free.
         """
         table = self.req_to_blocks.get(req.req_id, [])
-        num_hit_blocks = len(new_computed_blocks) + len(host_slots)
+        tier_hits = tier_hits or TierHits()
+        num_hit_blocks = len(new_computed_blocks) + tier_hits.num_blocks
         num_computed = req.num_computed_tokens + num_hit_blocks * self.block_size
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_held = len(table) + len(new_computed_blocks)
@@ -221,7 +246,7 @@ class KVCacheManager:
             num_hits = len(new_computed_blocks) * self.block_size
             if self.host_tier is not None:
                 self.external_prefix_cache_queries += req.num_tokens - num_hits
-                self.external_prefix_cache_hits += len(host_slots) * self.block_size
+                self.external_prefix_cache_hits += tier_hits.num_blocks * self.block_size
             if req.num_preemptions:
                 self.preempted_prefix_cache_queries += req.num_tokens
                 self.preempted_prefix_cache_hits += num_hits
@@ -231,9 +256,12 @@ class KVCacheManager:
         self.req_to_blocks[req.req_id] = table
         new_block_ids = [block.block_id for block in new_computed_blocks]
         new_block_ids += [block.block_id for block in fresh_blocks]
-        loads = [(slot, block.block_id) for slot, block in zip(host_slots, fresh_blocks)]
+        loads = [(slot, block.block_id) for slot, block in zip(tier_hits.host, fresh_blocks)]
+        from_disk = fresh_blocks[len(loads) :]
+        disk_loads = [(slot, block.block_id) for slot, block in zip(tier_hits.disk, from_disk)]
         self.host_tier_loaded_blocks += len(loads)
-        return Allocation(new_block_ids, copies, replaced=bool(copies), loads=loads)
+        self.disk_tier_loaded_blocks += len(disk_loads)
+        return Allocation(new_block_ids, copies, bool(copies), loads, disk_loads)
 
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> list[KVCacheBlock]:
         """Index every full block of `req` whose tokens are computed once the step being planned

@@ -75,6 +75,8 @@ class SchedulerOutput:
     # overwrites them, then prefix hits found there loaded (tier slot, pool block id).
     blocks_to_save: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    # The prefix hits the disk tier holds (below the host's), loaded after those.
+    blocks_to_load_from_disk: list[tuple[int, int]] = field(default_factory=list)
     # Full blocks this step computes, saved (pool block id, tier slot) after the forward pass:
     # the tier holds what the pool holds, so neither an eviction nor a dead engine loses it.
     computed_blocks_to_save: list[tuple[int, int]] = field(default_factory=list)

@@ -189,11 +189,11 @@ class Scheduler:
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
-            host_slots = self.kv_cache_manager.get_host_tier_hits(req, len(computed_blocks))
-            num_hit += len(host_slots) * self.config.block_size
+            tier_hits = self.kv_cache_manager.get_tier_hits(req, len(computed_blocks))
+            num_hit += tier_hits.num_blocks * self.config.block_size
             num_new = min(req.num_tokens - num_hit, budget)
             allocation = self.kv_cache_manager.allocate_slots(
-                req, num_new, computed_blocks, host_slots
+                req, num_new, computed_blocks, tier_hits
             )
             if allocation is None:
                 break
@@ -215,6 +215,7 @@ class Scheduler:
         self.worker_view.emit(req, allocation, plan.scheduled_new_reqs, plan.scheduled_cached_reqs)
         plan.blocks_to_copy.extend(allocation.copies)
         plan.blocks_to_load.extend(allocation.loads)
+        plan.blocks_to_load_from_disk.extend(allocation.disk_loads)
         plan.num_scheduled_tokens[req.req_id] = num_new
         # Indexed when planned, as vLLM indexes at allocation: a request admitted later in this
         # very step reads the shared prefix this step computes instead of computing it again.

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +41,16 @@ def tier_dir() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
-def tier_path(model: str, dtype: torch.dtype, rank_kv_shape: tuple[int, ...], tp: int) -> Path:
-    """The tier file of one model layout: engines that can read each other's blocks (same
-    weights, dtype, block shape and rank count) share it; any other shares nothing."""
+def tier_path(
+    model: str,
+    dtype: torch.dtype,
+    rank_kv_shape: tuple[int, ...],
+    tp: int,
+    directory: Path | None = None,
+) -> Path:
+    """The tier file of one model layout in `directory` (default `tier_dir()`): engines that can
+    read each other's blocks (same weights, dtype, block shape and rank count) share it; any
+    other shares nothing."""
     model_dir = Path(model).resolve()
     weights = sorted(
         (path.name, path.stat().st_size, path.stat().st_mtime_ns)
@@ -50,7 +58,7 @@ def tier_path(model: str, dtype: torch.dtype, rank_kv_shape: tuple[int, ...], tp
     )
     identity = json.dumps([str(model_dir), weights, str(dtype), list(rank_kv_shape), tp])
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return tier_dir() / f"pagedray-kv-{digest}.tier"
+    return (directory or tier_dir()) / f"pagedray-kv-{digest}.tier"
 
 
 def tier_bytes(requested_gib: float | None, directory: Path) -> int:
@@ -107,6 +115,7 @@ class HostKVBuffer:
     def save(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Copy (pool block, slot) pairs from the pool into the tier."""
         block_ids, slots = zip(*pairs)
+        positions: Sequence[int]
         if kv_cache.is_cpu:
             source, positions = _chunks(kv_cache), block_ids
         else:  # a device pool: its blocks gathered to the host first
@@ -119,6 +128,7 @@ class HostKVBuffer:
     def load(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Copy (slot, pool block) pairs from the tier into the pool."""
         slots, block_ids = zip(*pairs)
+        positions: Sequence[int]
         if kv_cache.is_cpu:
             target, positions = _chunks(kv_cache), block_ids
             staging = None
@@ -165,23 +175,27 @@ def _chunks(kv_cache: torch.Tensor) -> np.ndarray:
     return kv_cache.view(torch.uint8).numpy().reshape(layers, kv, blocks, -1)
 
 
-def _parts(chunks: np.ndarray, block: int) -> list[np.ndarray]:
+def _parts(chunks: np.ndarray, block: int) -> list[memoryview]:
     """One block's shard, in a slot's order (layer, then K/V), as buffers of the pool."""
-    return [chunks[layer, half, block] for layer in range(chunks.shape[0]) for half in (0, 1)]
+    layers = range(chunks.shape[0])
+    return [memoryview(chunks[layer, half, block]) for layer in layers for half in (0, 1)]
 
 
-def open_host_tier(
+def open_tier(
     model: str,
     requested_gib: float | None,
     rank: int,
     tp: int,
     kv_cache: torch.Tensor,
+    directory: Path | None = None,
+    name: str = "host",
 ) -> tuple[str, HostKVBuffer] | None:
-    """This rank's buffer on the node's tier for this model layout (created at the size the
-    config asks, or as `tier_bytes` finds room for), with the file's path; None when the tier
-    is off or no block fits."""
+    """This rank's buffer on the node's `name` tier for this model layout, in `directory`
+    (default: the host tier's, `tier_dir()`), created at the size the config asks or as
+    `tier_bytes` finds room for; with the file's path. None when the tier is off or no block
+    fits."""
     shard_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
-    path = tier_path(model, kv_cache.dtype, shard_shape, tp)
+    path = tier_path(model, kv_cache.dtype, shard_shape, tp, directory)
     slot_bytes = kv_cache.element_size() * int(torch.Size(shard_shape).numel()) * tp
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,11 +205,12 @@ def open_host_tier(
         layout = create_or_open(str(path), num_slots, slot_bytes)
         buffer = HostKVBuffer(str(path), rank, tp, kv_cache)
     except OSError as exc:
-        logger.warning("host KV tier off: %s cannot be used (%s)", path, exc)
+        logger.warning("%s KV tier off: %s cannot be used (%s)", name, path, exc)
         return None
     if rank == 0:
         logger.info(
-            "host KV tier: %s, %d blocks, %.2f GiB, shared by this model's engines on the node",
+            "%s KV tier: %s, %d blocks, %.2f GiB, shared by this model's engines on the node",
+            name,
             path,
             layout.num_slots,
             layout.num_slots * slot_bytes / 1024**3,

@@ -38,9 +38,11 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         host_tier: HostKVBuffer | None = None,
+        disk_tier: HostKVBuffer | None = None,
     ) -> None:
         self.model = model
         self.host_tier = host_tier
+        self.disk_tier = disk_tier
         self.kv_cache = kv_cache
         self.attention = attention
         self.sampler = sampler
@@ -56,6 +58,8 @@ class ModelRunner:
                 self.host_tier.save(self.kv_cache, scheduler_output.blocks_to_save)
             if scheduler_output.blocks_to_load:
                 self.host_tier.load(self.kv_cache, scheduler_output.blocks_to_load)
+            if self.disk_tier is not None and scheduler_output.blocks_to_load_from_disk:
+                self.disk_tier.load(self.kv_cache, scheduler_output.blocks_to_load_from_disk)
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             self.attention.copy_blocks(self.kv_cache, list(src), list(dst))

@@ -7,6 +7,7 @@ way the scheduler reaches it only through `SchedulerOutput` and gets `ModelRunne
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -14,7 +15,7 @@ from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
 from pagedray.workers.cpu_threads import step_runs_on_every_core
-from pagedray.workers.host_kv_buffer import open_host_tier
+from pagedray.workers.host_kv_buffer import HostKVBuffer, open_tier
 from pagedray.workers.layers.gemm import pack_module_weights, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
@@ -89,9 +90,9 @@ class Worker:
             )
         return int(num_blocks)
 
-    def init_kv_cache(self, num_blocks: int) -> str | None:
-        """Allocate the pool and open the node's host KV tier; returns the tier file's path
-        (None: no tier), which the scheduler opens too."""
+    def init_kv_cache(self, num_blocks: int) -> dict[str, str]:
+        """Allocate the pool and open the node's KV tiers; returns their files' paths by name
+        ("host", "disk"; none: no tier), which the scheduler opens too."""
         mc = self.model_config
         shape = self.model.kv_cache_shape(num_blocks, self.config.block_size)
         # NOTE: zeros, not empty: padded attention reads unused slots with zero weight, and
@@ -114,15 +115,7 @@ class Worker:
             for every_core in (True, False) if self._switches_threads() else (False,):
                 self._use_threads(every_core)
                 warm_up(self.model, rows, WARM_UP_BUDGET_S)
-        tier = None
-        if self.config.kv_offloading_size != 0:
-            tier = open_host_tier(
-                self.config.model,
-                self.config.kv_offloading_size,
-                self.rank,
-                self.config.tensor_parallel_size,
-                kv_cache,
-            )
+        tiers = self._open_tiers(kv_cache)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
@@ -131,9 +124,27 @@ class Worker:
             self.config.max_num_seqs,
             self.config.max_model_len,
             self.device,
-            host_tier=tier[1] if tier else None,
+            host_tier=tiers["host"][1] if "host" in tiers else None,
+            disk_tier=tiers["disk"][1] if "disk" in tiers else None,
         )
-        return tier[0] if tier else None
+        return {name: path for name, (path, _) in tiers.items()}
+
+    def _open_tiers(self, kv_cache: torch.Tensor) -> dict[str, tuple[str, HostKVBuffer]]:
+        """The node's host KV tier and the disk tier below it, as configured and as they open."""
+        cfg, tiers = self.config, {}
+        if cfg.kv_offloading_size == 0:
+            return {}
+        args = (cfg.model, cfg.kv_offloading_size, self.rank, cfg.tensor_parallel_size, kv_cache)
+        host = open_tier(*args)
+        if host is None:
+            return {}
+        tiers["host"] = host
+        if cfg.kv_disk_dir:
+            disk_args = (cfg.model, cfg.kv_disk_gb, self.rank, cfg.tensor_parallel_size, kv_cache)
+            disk = open_tier(*disk_args, directory=Path(cfg.kv_disk_dir), name="disk")
+            if disk is not None:
+                tiers["disk"] = disk
+        return tiers
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache must run before the first step"

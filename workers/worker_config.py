@@ -30,3 +30,5 @@ class WorkerConfig:
     # GiB of the node's host KV tier (workers/host_kv_buffer.py); None: sized from free memory,
     # 0: no tier.
     kv_offloading_size: float | None = None
+    kv_disk_dir: str | None = None  # the disk tier's directory, below the host's; None: none
+    kv_disk_gb: float = 16.0  # its size

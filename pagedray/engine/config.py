@@ -132,6 +132,12 @@ class EngineConfig(BaseModel):
         "evicted blocks go there and prefix misses are loaded from it (default: a quarter of "
         "the memory free at start, at most 8; 0: off)",
     )
+    kv_disk_dir: str | None = Field(
+        None,
+        description="a directory for a disk KV tier below the host tier: blocks the host tier "
+        "evicts go there, prompts found there load from it, and it outlives restarts",
+    )
+    kv_disk_gb: float = Field(16.0, gt=0, description="the disk KV tier's size, GiB")
     kv_offloading_write_through: bool = Field(
         False,
         description="save every block to the host KV tier as it is computed, not only when the "

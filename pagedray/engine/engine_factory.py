@@ -21,14 +21,18 @@ from pagedray.workers.worker_config import WorkerConfig
 logger = logging.getLogger(__name__)
 
 
-def open_tier(path: str | None) -> HostKVTier | None:
-    """The scheduler's handle on the host KV tier file its ranks opened (None: no tier)."""
-    if path is None:
+def open_tiers(paths: dict[str, str]) -> HostKVTier | None:
+    """The scheduler's handle on the KV tiers its ranks opened (`paths` by name): the host
+    tier, with the disk tier below it if there is one; None without a host tier."""
+    if "host" not in paths:
         return None
+    disk = None
     try:
-        return HostKVTier(path)
+        if "disk" in paths:
+            disk = HostKVTier(paths["disk"], name="disk")
+        return HostKVTier(paths["host"], lower=disk)
     except (OSError, ValueError) as exc:
-        logger.warning("host KV tier off: %s (%s)", path, exc)
+        logger.warning("KV tiers off: %s (%s)", paths, exc)
         return None
 
 
@@ -90,7 +94,7 @@ def build_engine(
         executor,
         eos_token_ids=model_config.eos_token_id,
         structured=structured_output_manager(tokenizer, model_config),
-        host_tier=open_tier(getattr(executor, "host_tier", None)),
+        host_tier=open_tiers(getattr(executor, "kv_tiers", {})),
     )
     return (
         engine,

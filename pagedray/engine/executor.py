@@ -26,7 +26,7 @@ class UniProcExecutor:
             raise ValueError("tensor_parallel_size: the in-process executor runs exactly 1 rank")
         self.worker = Worker(config)
         self.num_kv_blocks = self.worker.determine_num_kv_blocks()
-        self.host_tier = self.worker.init_kv_cache(self.num_kv_blocks)  # its file's path, or None
+        self.kv_tiers = self.worker.init_kv_cache(self.num_kv_blocks)  # tier name -> file path
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

@@ -119,16 +119,23 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
-        "Host KV tier",
+        "KV tiers",
         "short",
         "Blocks saved to and loaded from the node's host tier per second (evicted from a pool; "
-        "found there instead of computed), and the blocks it holds.",
+        "found there instead of computed), moved down to and loaded from its disk tier, and the "
+        "blocks each holds.",
         [
-            (_sum_by_model(_rate("ray_pagedray_host_tier_saved_blocks_total")), "saved/s"),
-            (_sum_by_model(_rate("ray_pagedray_host_tier_loaded_blocks_total")), "loaded/s"),
+            (_sum_by_model(_rate("ray_pagedray_host_tier_saved_blocks_total")), "host saved/s"),
+            (_sum_by_model(_rate("ray_pagedray_host_tier_loaded_blocks_total")), "host loaded/s"),
+            (_sum_by_model(_rate("ray_pagedray_disk_tier_saved_blocks_total")), "disk saved/s"),
+            (_sum_by_model(_rate("ray_pagedray_disk_tier_loaded_blocks_total")), "disk loaded/s"),
             (
                 f"max by (model_name) (ray_pagedray_host_tier_blocks{SELECTOR})",
-                "held {{model_name}}",
+                "host held {{model_name}}",
+            ),
+            (
+                f"max by (model_name) (ray_pagedray_disk_tier_blocks{SELECTOR})",
+                "disk held {{model_name}}",
             ),
         ],
     ),

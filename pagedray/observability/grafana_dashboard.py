@@ -22,6 +22,7 @@ GAUGES = (
     "ray_pagedray_num_requests_waiting",
     "ray_pagedray_kv_cache_usage_perc",  # fraction of KV blocks in use, 0..1
     "ray_pagedray_host_tier_blocks",  # blocks in the node's host KV tier
+    "ray_pagedray_disk_tier_blocks",  # blocks in the node's disk KV tier
 )
 COUNTERS = (
     "ray_pagedray_prefix_cache_queries_total",  # tokens looked up
@@ -30,6 +31,8 @@ COUNTERS = (
     "ray_pagedray_external_prefix_cache_hits_total",  # tokens loaded from it
     "ray_pagedray_host_tier_saved_blocks_total",
     "ray_pagedray_host_tier_loaded_blocks_total",
+    "ray_pagedray_disk_tier_saved_blocks_total",  # moved down from the host tier
+    "ray_pagedray_disk_tier_loaded_blocks_total",
     "ray_pagedray_num_preemptions_total",
     "ray_pagedray_prompt_tokens_total",
     "ray_pagedray_generation_tokens_total",

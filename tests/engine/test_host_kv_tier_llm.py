@@ -11,8 +11,10 @@ import pytest
 
 from pagedray.llm import LLM
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.host_kv_buffer import TIER_DIR_ENV
 
 BLOCK = 16
+BLOCK_BYTES = 8192  # one KV block of the tiny model in float32
 SALT = __name__
 POOL_BLOCKS = 24  # a 100-token prompt takes 7: a few others evict it
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -137,3 +139,35 @@ def test_written_through_a_prompt_is_in_the_tier_before_any_eviction(tiny_llama:
     finally:
         writer.shutdown()
         reader.shutdown()
+
+
+def test_blocks_the_host_tier_drops_come_back_from_disk_and_outlive_it(
+    tiny_llama: str, tmp_path, monkeypatch
+) -> None:
+    """A host tier of ten blocks over a disk tier: a prompt both the pool and the host tier
+    dropped loads from disk, token for token; and after the host tier's file is gone (a
+    reboot clears /dev/shm), a new engine still finds it there."""
+    monkeypatch.setenv(TIER_DIR_ENV, str(tmp_path / "shm"))  # a host tier of this test's own
+    ten_blocks_gib = 10 * BLOCK_BYTES / 2**30
+    disk = {"kv_offloading_size": ten_blocks_gib, "kv_disk_dir": str(tmp_path / "disk")}
+    (prompt,) = prompts(6, 1)
+    llm = engine(tiny_llama, **disk)
+    try:
+        assert llm.stats()["host_tier_capacity_blocks"] == 10
+        expected = tokens(llm, [prompt], GREEDY)
+        evict_all(llm, 6)
+        before = llm.stats()
+        assert before["disk_tier_saved_blocks"] > 0
+        assert tokens(llm, [prompt], GREEDY) == expected
+        after = llm.stats()
+        assert after["disk_tier_loaded_blocks"] - before["disk_tier_loaded_blocks"] == 6
+    finally:
+        llm.shutdown()
+    for path in (tmp_path / "shm").iterdir():
+        path.unlink()
+    rebooted = engine(tiny_llama, **disk)
+    try:
+        assert tokens(rebooted, [prompt], GREEDY) == expected
+        assert rebooted.stats()["disk_tier_loaded_blocks"] == 6
+    finally:
+        rebooted.shutdown()

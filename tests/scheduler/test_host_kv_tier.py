@@ -4,6 +4,7 @@ slots are never reused; eviction is a clock that spares a block found since it l
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -164,3 +165,21 @@ def test_empty_requests_touch_nothing(tmp_path: Path) -> None:
     tier.publish([])
     tier.release([])
     assert tier.stats()["host_tier_num_blocks"] == 0
+
+
+def test_a_block_the_host_tier_drops_goes_down_to_the_disk_tier(tmp_path: Path) -> None:
+    host_path = tier_file(tmp_path, 2)
+    disk_path = str(tmp_path / "disk")
+    create_or_open(disk_path, 8, SLOT_BYTES)
+    disk = HostKVTier(disk_path, name="disk")
+    host = HostKVTier(host_path, lower=disk)
+    (first,) = save(host, [block_hash(0)])
+    payload = bytes(range(SLOT_BYTES))
+    os.pwrite(host._fd, payload, host.layout.data_offset + first * SLOT_BYTES)
+    save(host, [block_hash(1), block_hash(2)])  # the clock comes round to block 0's slot
+    assert host.lookup([block_hash(0)]) == []
+    (below,) = disk.lookup([block_hash(0)])
+    assert os.pread(disk._fd, SLOT_BYTES, disk.layout.data_offset + below * SLOT_BYTES) == payload
+    stats = host.stats()
+    assert stats["host_tier_num_blocks"] == 2 and stats["disk_tier_num_blocks"] == 1
+    assert stats["disk_tier_saved_blocks"] == 1, "a block moved down counts as the disk's save"
