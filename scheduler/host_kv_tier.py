@@ -142,7 +142,7 @@ class HostKVTier:
         # A file object rather than a bare descriptor: an engine dropped without `close` frees it.
         self._file = open(path, "r+b")  # noqa: SIM115 - held for the handle's life
         self._fd = self._file.fileno()
-        # Only the metadata is mapped here; the ranks map the slots' bytes.
+        # Only the metadata is mapped here; the ranks copy the slots' bytes (pread/pwrite).
         self._map = mmap.mmap(self._fd, self.layout.data_offset)
         self._header = np.ndarray((1,), _HEADER, self._map, 0)
         self._log = np.ndarray((LOG_LEN,), "<i8", self._map, self.layout.log_offset)
@@ -187,11 +187,11 @@ class HostKVTier:
             return []
         with self._locked():
             self._catch_up()
-            wanted = list(dict.fromkeys(h for h in block_hashes if h not in self._hash_slot))
-            if not wanted:
-                return []
             now = time.time()
             records = self._records
+            wanted = list(dict.fromkeys(h for h in block_hashes if not self._held(h, now)))
+            if not wanted:
+                return []
             taken: list[tuple[BlockHash, int]] = []
             for block_hash in wanted:
                 slot = self._clock_victim(now)
@@ -207,6 +207,14 @@ class HostKVTier:
                 self._changed(slot)
             self._catch_up()
         return taken
+
+    def _held(self, block_hash: BlockHash, now: float) -> bool:
+        """Whether the tier has this block or a live writer is saving it (a write whose lease
+        lapsed, its process dead, does not count: the block may be saved again)."""
+        slot = self._hash_slot.get(block_hash)
+        if slot is None:
+            return False
+        return self._records["state"][slot] == VALID or self._records["lease_until"][slot] > now
 
     def _demote(self, slot: int) -> None:
         """Copy the block this tier is about to drop into the tier below (the lock is held; the

@@ -183,3 +183,14 @@ def test_a_block_the_host_tier_drops_goes_down_to_the_disk_tier(tmp_path: Path) 
     stats = host.stats()
     assert stats["host_tier_num_blocks"] == 2 and stats["disk_tier_num_blocks"] == 1
     assert stats["disk_tier_saved_blocks"] == 1, "a block moved down counts as the disk's save"
+
+
+def test_a_write_whose_writer_died_does_not_block_the_block_for_good(tmp_path: Path) -> None:
+    path = tier_file(tmp_path, 4)
+    dead, alive = HostKVTier(path), HostKVTier(path)
+    dead.reserve([block_hash(0)])  # and never publishes: its process died mid-step
+    assert alive.reserve([block_hash(0)]) == [], "a live write is not doubled"
+    expire_leases(alive)
+    (retry,) = alive.reserve([block_hash(0)])
+    alive.publish([retry[1]])
+    assert HostKVTier(path).lookup([block_hash(0)]) == [retry[1]]
