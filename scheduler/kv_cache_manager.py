@@ -170,23 +170,29 @@ class KVCacheManager:
         """Tier slots for the blocks the step being planned must save, published by `step_done`:
         (block id, slot) of the cached blocks evicted while planning it that the tier lacks
         (saved before anything overwrites them), and of the full blocks it computes, `computed`
-        (saved once computed). A block the tier holds already is not saved again."""
+        (saved once computed). A block the tier holds already is not saved again.
+
+        A hash both evicted and computed in this plan (evicted, then missed by a request admitted
+        after, which computes it again) is saved from the evicted block, intact before the
+        forward pass, never from the new one before it is computed."""
         if self.host_tier is None:
             return [], []
-        evicted = self.block_pool.take_evicted()
-        fresh = [
-            (block.block_id, block.block_hash) for block in computed if block.block_hash is not None
-        ]
-        if not evicted and not fresh:
+        # hash -> (block id, whether it is saved before the forward pass); evicted ones first.
+        sources: dict[BlockHash, tuple[int, bool]] = {}
+        for block_id, block_hash in self.block_pool.take_evicted():
+            sources.setdefault(block_hash, (block_id, True))
+        for block in computed:
+            if block.block_hash is not None:
+                sources.setdefault(block.block_hash, (block.block_id, False))
+        if not sources:
             return [], []
-        block_of = {block_hash: block_id for block_id, block_hash in evicted + fresh}
-        reserved = self.host_tier.reserve([block_hash for _, block_hash in evicted + fresh])
+        reserved = self.host_tier.reserve(list(sources))
         self.saving += [slot for _, slot in reserved]
-        was_evicted = {block_hash for _, block_hash in evicted}
         before: list[tuple[int, int]] = []
         after: list[tuple[int, int]] = []
         for block_hash, slot in reserved:
-            (before if block_hash in was_evicted else after).append((block_of[block_hash], slot))
+            block_id, is_evicted = sources[block_hash]
+            (before if is_evicted else after).append((block_id, slot))
         return before, after
 
     def step_done(self, ran: bool) -> None:

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedray.scheduler import host_kv_tier
+from pagedray.scheduler.block_pool import KVCacheBlock
 from pagedray.scheduler.host_kv_tier import HostKVTier, create_or_open, read_layout
+from pagedray.scheduler.kv_cache_manager import KVCacheManager
 
 SLOT_BYTES = 64
 
@@ -194,3 +196,16 @@ def test_a_write_whose_writer_died_does_not_block_the_block_for_good(tmp_path: P
     (retry,) = alive.reserve([block_hash(0)])
     alive.publish([retry[1]])
     assert HostKVTier(path).lookup([block_hash(0)]) == [retry[1]]
+
+
+def test_a_hash_evicted_and_computed_in_one_plan_is_saved_from_the_evicted_block(
+    tmp_path: Path,
+) -> None:
+    """Evicted while planning, then missed by a request admitted after it, which computes it
+    into a new block: the save must read the evicted block (intact before the forward pass),
+    not the new one (written only by it)."""
+    manager = KVCacheManager(8, 4, host_tier=HostKVTier(tier_file(tmp_path, 4)))
+    manager.block_pool.evicted = [(5, block_hash(0))]
+    recomputed = KVCacheBlock(block_id=7, block_hash=block_hash(0))
+    before, after = manager.take_saves([recomputed])
+    assert [block for block, _ in before] == [5] and after == []
