@@ -1,6 +1,6 @@
 """The host KV tier behind Serve: two engine replicas on the node, pools far smaller than the
-traffic. A prompt both pools evicted is answered from the node's tier, token for token, and
-its usage says the prompt was cached; /stats shows each replica's tier figures."""
+traffic. A prompt no pool holds any more is answered from the node's tier, token for token, and
+its usage says the prompt was cached; /stats shows both replicas reading the one tier."""
 
 from __future__ import annotations
 
@@ -40,23 +40,25 @@ def replicas(url: str) -> list[dict[str, Any]]:
     return httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
 
 
-def test_a_prompt_both_pools_evicted_comes_back_from_the_tier(url: str) -> None:
+def test_a_prompt_no_pool_holds_comes_back_from_the_tier(url: str) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     rng = random.Random(2026)
     prompt = [rng.randrange(1, 250) for _ in range(100)]
     first = complete(client, prompt)
-    # Two dozen other prompts, spread over both replicas: each pool (24 blocks, 7 a prompt)
-    # evicts everything it held several times over.
+    # Two dozen other prompts: whichever replicas they go to (one request at a time, power of
+    # two may send them all to one), a pool of 24 blocks (7 a prompt) that saw the first prompt
+    # has evicted it several times over.
     for _ in range(24):
         complete(client, [rng.randrange(1, 250) for _ in range(100)])
     stats = replicas(url)
-    assert len(stats) == 2 and all(r["host_tier_saved_blocks"] > 0 for r in stats), stats
+    assert len(stats) == 2 and sum(r["host_tier_saved_blocks"] for r in stats) > 0, stats
     hits_before = sum(r["external_prefix_cache_hits"] for r in stats)
     again = complete(client, prompt)
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens == 6 * BLOCK
     hits = sum(r["external_prefix_cache_hits"] for r in replicas(url)) - hits_before
     assert hits == 6 * BLOCK, "the hit came from the tier, not a pool"
-    # One tier for the node: both replicas report the same blocks held.
+    # One tier for the node: both replicas (one of which may have served nothing) report the
+    # same blocks held.
     held = {r["host_tier_num_blocks"] for r in replicas(url)}
     assert len(held) == 1 and held.pop() > 0
