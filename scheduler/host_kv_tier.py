@@ -152,6 +152,7 @@ class HostKVTier:
         self._gen = 0
         self._slot_hash: dict[int, BlockHash] = {}  # this process's mirror: VALID and WRITING
         self._hash_slot: dict[BlockHash, int] = {}
+        self._valid: set[int] = set()  # slots the mirror saw VALID: stats count them per step
         self.num_saved = 0  # blocks this engine wrote into the tier
         with self._locked():
             self._rebuild()
@@ -264,7 +265,7 @@ class HostKVTier:
         too (its saved blocks are those this engine moved down)."""
         with self._locked():
             self._catch_up()
-        num_valid = sum(1 for s in self._slot_hash if self._records["state"][s] == VALID)
+        num_valid = len(self._valid)
         prefix = f"{self.name}_tier"
         stats: dict[str, float] = {
             f"{prefix}_num_blocks": num_valid,
@@ -331,6 +332,7 @@ class HostKVTier:
     def _rebuild(self) -> None:
         self._slot_hash.clear()
         self._hash_slot.clear()
+        self._valid.clear()
         for slot in np.flatnonzero(self._records["state"] != FREE):
             self._mirror(int(slot))
         self._gen = int(self._header["gen"][0])
@@ -339,8 +341,12 @@ class HostKVTier:
         old = self._slot_hash.pop(slot, None)
         if old is not None and self._hash_slot.get(old) == slot:
             del self._hash_slot[old]
-        if self._records["state"][slot] == FREE:
+        self._valid.discard(slot)
+        state = self._records["state"][slot]
+        if state == FREE:
             return
+        if state == VALID:
+            self._valid.add(slot)
         block_hash = self._records["hash"][slot].tobytes()
         self._slot_hash[slot] = block_hash
         self._hash_slot[block_hash] = slot
