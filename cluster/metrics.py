@@ -12,6 +12,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 from pagedray.cluster.replica_watch import STALLED_REASON
 from pagedray.engine.request_errors import MIGRATED_FAILURES
+from pagedray.scheduler.kv_cache_manager import PROMPT_TOKEN_SOURCES
 
 TAG_KEYS = ("model_name",)
 # vLLM's buckets (seconds); inter-token latency and step time start lower, for fast GPUs.
@@ -45,6 +46,8 @@ _CUMULATIVE_STATS = (
     "disk_tier_saved_blocks",
     "disk_tier_loaded_blocks",
 )
+# `Scheduler.stats()` keys of the prompt tokens counted by source (a tagged counter).
+_SOURCE_STATS = tuple(f"prompt_tokens_{source}" for source in PROMPT_TOKEN_SOURCES)
 # What a request finishes with (`RequestStatus.finish_reason`; aborts are no success).
 FINISHED_REASONS = ("stop", "length")
 # The kinds of constraint a structured-output request has (`StructuredOutputsParams.key`).
@@ -129,6 +132,12 @@ class EngineMetrics:
             "pagedray_num_preemptions", "Sequences preempted (blocks freed, recomputed later)."
         )
         self.prompt_tokens = counter("pagedray_prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens_by_source = counter(
+            "pagedray_prompt_tokens_by_source",
+            "Prompt tokens at their request's admission, by source: local_compute (computed), "
+            "local_cache_hit (the pool's prefix cache), external_kv_transfer (a KV tier).",
+            ("source",),
+        )
         self.generation_tokens = counter("pagedray_generation_tokens", "Tokens generated.")
         self.request_success = counter(
             "pagedray_request_success", "Requests finished, by finish reason.", ("finished_reason",)
@@ -170,14 +179,18 @@ class EngineMetrics:
             "Filling a step's token bitmasks for its constrained sequences.",
             GRAMMAR_BUCKETS,
         )
-        self._last_totals = dict.fromkeys(_CUMULATIVE_STATS, 0.0)
+        self._last_totals = dict.fromkeys(_CUMULATIVE_STATS + _SOURCE_STATS, 0.0)
         if export_zeros:
             _export_zeros(self.zero_series())
 
     def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
         """The counters' series that exist at 0 before anything is counted (tags beyond the
         model name)."""
-        tagged = (self.request_success, self.structured_output_requests)
+        tagged = (
+            self.request_success,
+            self.structured_output_requests,
+            self.prompt_tokens_by_source,
+        )
         series: list[tuple[Counter, dict[str, str]]] = [
             (metric, {})
             for metric in vars(self).values()
@@ -185,6 +198,7 @@ class EngineMetrics:
         ]
         series += [(self.structured_output_requests, {"kind": k}) for k in CONSTRAINT_KINDS]
         series += [(self.request_success, {"finished_reason": r}) for r in FINISHED_REASONS]
+        series += [(self.prompt_tokens_by_source, {"source": s}) for s in PROMPT_TOKEN_SOURCES]
         return series
 
     def record_stats(self, stats: dict[str, float]) -> None:
@@ -195,11 +209,21 @@ class EngineMetrics:
         self.host_tier_blocks.set(stats.get("host_tier_num_blocks", 0))
         self.disk_tier_blocks.set(stats.get("disk_tier_num_blocks", 0))
         for key in _CUMULATIVE_STATS:
-            total = stats.get(key, 0)  # the tier's keys exist only with a tier
-            delta = total - self._last_totals[key]
+            delta = self._delta(stats, key)
             if delta > 0:  # Counter.inc refuses 0
                 getattr(self, key).inc(delta)
-                self._last_totals[key] = total
+        for source, key in zip(PROMPT_TOKEN_SOURCES, _SOURCE_STATS):
+            delta = self._delta(stats, key)
+            if delta > 0:
+                self.prompt_tokens_by_source.inc(delta, tags={"source": source})
+
+    def _delta(self, stats: dict[str, float], key: str) -> float:
+        """How far a cumulative stat moved since the last snapshot (its key may be absent: the
+        tier's exist only with a tier)."""
+        total = stats.get(key, 0)
+        delta = total - self._last_totals[key]
+        self._last_totals[key] = max(total, self._last_totals[key])
+        return delta
 
     def record_step(
         self,

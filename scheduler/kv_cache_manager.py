@@ -15,6 +15,10 @@ from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
 from pagedray.scheduler.request import Request
 
+# Where a prompt's tokens come from (vLLM's `source` label): computed here, found in the pool,
+# loaded from a tier below it.
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
 
 @dataclass
 class Allocation:
@@ -83,6 +87,9 @@ class KVCacheManager:
         self.external_prefix_cache_hits = 0
         self.host_tier_loaded_blocks = 0  # a lookup leases; only an admitted one loads
         self.disk_tier_loaded_blocks = 0
+        # vLLM's `prompt_tokens_by_source`: each request's prompt at its first admission, split
+        # into tokens computed, found in the pool, and loaded from a tier.
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
 
     @property
     def num_blocks(self) -> int:
@@ -108,6 +115,7 @@ class KVCacheManager:
             "preempted_prefix_cache_hits": self.preempted_prefix_cache_hits,
             "external_prefix_cache_queries": self.external_prefix_cache_queries,
             "external_prefix_cache_hits": self.external_prefix_cache_hits,
+            **{f"prompt_tokens_{k}": n for k, n in self.prompt_tokens_by_source.items()},
         }
         if self.host_tier is not None:
             stats |= self.host_tier.stats()
@@ -115,6 +123,16 @@ class KVCacheManager:
             if self.host_tier.lower is not None:
                 stats["disk_tier_loaded_blocks"] = self.disk_tier_loaded_blocks
         return stats
+
+    def _count_prompt_sources(self, num_prompt: int, pool_hit: int, tier_hit: int) -> None:
+        """Split a prompt by where its tokens came from; hits past the prompt (a resumed
+        request's output) are not its."""
+        local = min(pool_hit, num_prompt)
+        external = min(pool_hit + tier_hit, num_prompt) - local
+        counts = self.prompt_tokens_by_source
+        counts["local_cache_hit"] += local
+        counts["external_kv_transfer"] += external
+        counts["local_compute"] += num_prompt - local - external
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
@@ -259,6 +277,8 @@ class KVCacheManager:
             else:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_hits
+                tier_hit = tier_hits.num_blocks * self.block_size
+                self._count_prompt_sources(req.num_prompt_tokens, num_hits, tier_hit)
         self.req_to_blocks[req.req_id] = table
         new_block_ids = [block.block_id for block in new_computed_blocks]
         new_block_ids += [block.block_id for block in fresh_blocks]

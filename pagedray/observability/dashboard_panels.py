@@ -119,6 +119,20 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Prompt tokens by source",
+        "short",
+        "Prompt tokens per second at admission: computed, found in the pools' prefix caches, "
+        "loaded from the node's KV tiers (vLLM's local_compute, local_cache_hit, "
+        "external_kv_transfer).",
+        [
+            (
+                f"sum by (model_name, source) "
+                f"({_rate('ray_pagedray_prompt_tokens_by_source_total')})",
+                "{{source}} {{model_name}}",
+            ),
+        ],
+    ),
+    (
         "KV tiers",
         "short",
         "Blocks saved to and loaded from the node's host tier per second (evicted from a pool; "

@@ -35,6 +35,7 @@ COUNTERS = (
     "ray_pagedray_disk_tier_loaded_blocks_total",
     "ray_pagedray_num_preemptions_total",
     "ray_pagedray_prompt_tokens_total",
+    "ray_pagedray_prompt_tokens_by_source_total",  # tag source (vLLM's three)
     "ray_pagedray_generation_tokens_total",
     "ray_pagedray_request_success_total",  # tag finished_reason
     "ray_pagedray_http_requests_total",  # the ingress's; tags route, status

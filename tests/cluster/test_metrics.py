@@ -162,6 +162,14 @@ def test_scheduler_totals_become_counter_deltas() -> None:
     assert [v for v, _ in recorders["prefix_cache_queries"].values] == [48, 32]
     assert [v for v, _ in recorders["prefix_cache_hits"].values] == [16, 32]
     assert [v for v, _ in recorders["num_preemptions"].values] == [1]
+    sources = {"prompt_tokens_local_compute": 30, "prompt_tokens_external_kv_transfer": 16}
+    metrics.record_stats({**stats, **sources})
+    metrics.record_stats({**stats, **sources, "prompt_tokens_local_compute": 40})
+    assert recorders["prompt_tokens_by_source"].values == [
+        (30, {"source": "local_compute"}),
+        (16, {"source": "external_kv_transfer"}),
+        (10, {"source": "local_compute"}),
+    ]
     assert recorders["kv_cache_usage_perc"].last == 0.5
     metrics.record_step(0.01, 1, 0, [])  # a step of prefill chunks only
     metrics.record_prefilled(0)
@@ -189,6 +197,11 @@ def test_engine_records_steps_and_finished_requests(
     assert recorders["batch_size"].total == len(prompts) * MAX_TOKENS
     assert recorders["generation_tokens"].total == len(prompts) * MAX_TOKENS
     assert recorders["prompt_tokens"].total == sum(len(p) for p in prompts)
+    by_source: dict[str, float] = {}
+    for value, tags in recorders["prompt_tokens_by_source"].values:
+        by_source[tags["source"]] = by_source.get(tags["source"], 0) + value
+    assert sum(by_source.values()) == recorders["prompt_tokens"].total
+    assert by_source["local_cache_hit"] == recorders["prefix_cache_hits"].total > 0
     # One per token after a request's first (per request per step, as vLLM).
     assert len(recorders["inter_token_latency"].values) == len(prompts) * (MAX_TOKENS - 1)
     assert [tags for _, tags in recorders["request_success"].values] == [
@@ -382,6 +395,7 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_disk_tier_loaded_blocks_total",
     "ray_pagedray_disk_tier_blocks",
     "ray_pagedray_prompt_tokens_total",
+    "ray_pagedray_prompt_tokens_by_source_total",
     "ray_pagedray_generation_tokens_total",
     "ray_pagedray_request_success_total",
     "ray_pagedray_time_to_first_token_seconds",

@@ -68,6 +68,15 @@ def test_an_evicted_prompt_comes_back_from_the_tier_token_for_token(
     loaded = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
     assert loaded == 6 * BLOCK, "every full block of the prompt but the last token's is loaded"
     assert after["prefix_cache_hits"] == before["prefix_cache_hits"], "not from the pool"
+    by_source = {
+        source: after[f"prompt_tokens_{source}"] - before[f"prompt_tokens_{source}"]
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    assert by_source == {
+        "local_compute": 100 - 6 * BLOCK,
+        "local_cache_hit": 0,
+        "external_kv_transfer": 6 * BLOCK,
+    }
     assert after["num_computed_tokens_total"] - before["num_computed_tokens_total"] == (
         100 - 6 * BLOCK + len(expected[0]) - 1
     )
