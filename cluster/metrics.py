@@ -45,6 +45,9 @@ _CUMULATIVE_STATS = (
     "host_tier_loaded_blocks",
     "disk_tier_saved_blocks",
     "disk_tier_loaded_blocks",
+    "host_tier_save_seconds",
+    "host_tier_load_seconds",
+    "disk_tier_load_seconds",
 )
 # `Scheduler.stats()` keys of the prompt tokens counted by source (a tagged counter).
 _SOURCE_STATS = tuple(f"prompt_tokens_{source}" for source in PROMPT_TOKEN_SOURCES)
@@ -120,6 +123,19 @@ class EngineMetrics:
         )
         self.disk_tier_loaded_blocks = counter(
             "pagedray_disk_tier_loaded_blocks", "KV blocks loaded from the disk tier into the pool."
+        )
+        # vLLM's offloading connector calls these kv_offload_store_time / kv_offload_load_time.
+        self.host_tier_save_seconds = counter(
+            "pagedray_host_tier_save_seconds",
+            "Seconds rank 0 spent copying blocks from the pool into the host tier.",
+        )
+        self.host_tier_load_seconds = counter(
+            "pagedray_host_tier_load_seconds",
+            "Seconds rank 0 spent copying blocks from the host tier into the pool.",
+        )
+        self.disk_tier_load_seconds = counter(
+            "pagedray_disk_tier_load_seconds",
+            "Seconds rank 0 spent copying blocks from the disk tier into the pool.",
         )
         self.disk_tier_blocks = gauge(
             "pagedray_disk_tier_blocks", "KV blocks held in the node's disk tier (--kv-disk-dir)."

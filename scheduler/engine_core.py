@@ -77,8 +77,9 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens == 0:
             if scheduler_output.finished_req_ids or scheduler_output.blocks_to_save:
                 # Let the workers drop what finished even when nothing else runs.
-                self.executor.execute_model(scheduler_output)
-                self.scheduler.kv_cache_manager.step_done(ran=True)
+                runner_output = self.executor.execute_model(scheduler_output)
+                copies = runner_output.tier_copy_seconds if runner_output else None
+                self.scheduler.kv_cache_manager.step_done(ran=True, tier_copy_seconds=copies)
             if not outputs:
                 self._wait_for_grammars()
             return outputs
@@ -88,7 +89,9 @@ class EngineCore:
             # The step's blocks were indexed when planned; their KV may never have been written.
             self.scheduler.unindex_step_blocks()
             raise
-        self.scheduler.kv_cache_manager.step_done(ran=True)
+        self.scheduler.kv_cache_manager.step_done(
+            ran=True, tier_copy_seconds=runner_output.tier_copy_seconds
+        )
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_time = time.monotonic()

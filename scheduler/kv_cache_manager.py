@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedray.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedray.scheduler.host_kv_tier import HostKVTier
+from pagedray.scheduler.messages import TIER_COPIES
 from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
 from pagedray.scheduler.request import Request
 
@@ -90,6 +91,7 @@ class KVCacheManager:
         # vLLM's `prompt_tokens_by_source`: each request's prompt at its first admission, split
         # into tokens computed, found in the pool, and loaded from a tier.
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+        self.tier_copy_seconds = dict.fromkeys(TIER_COPIES, 0.0)  # rank 0's, summed
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +124,7 @@ class KVCacheManager:
             stats["host_tier_loaded_blocks"] = self.host_tier_loaded_blocks
             if self.host_tier.lower is not None:
                 stats["disk_tier_loaded_blocks"] = self.disk_tier_loaded_blocks
+            stats |= {f"{copy}_seconds": s for copy, s in self.tier_copy_seconds.items()}
         return stats
 
     def _count_prompt_sources(self, num_prompt: int, pool_hit: int, tier_hit: int) -> None:
@@ -213,8 +216,11 @@ class KVCacheManager:
             (before if is_evicted else after).append((block_id, slot))
         return before, after
 
-    def step_done(self, ran: bool) -> None:
-        """The step planned last has run (`ran`) or failed: publish or free its tier writes."""
+    def step_done(self, ran: bool, tier_copy_seconds: dict[str, float] | None = None) -> None:
+        """The step planned last has run (`ran`), its copies taking `tier_copy_seconds` on rank
+        0, or failed: publish or free its tier writes."""
+        for copy, seconds in (tier_copy_seconds or {}).items():
+            self.tier_copy_seconds[copy] += seconds
         if self.host_tier is None or not self.saving:
             return
         if ran:

@@ -95,3 +95,11 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # req -> why it failed this step; it sampled nothing and the scheduler ends it.
     failed: dict[str, RequestError] = field(default_factory=dict)
+    # Seconds this rank copied blocks between its pool and the tiers, by copy (`TIER_COPIES`);
+    # only the copies the step had.
+    tier_copy_seconds: dict[str, float] = field(default_factory=dict)
+
+
+# The copies between a rank's pool and the tiers: evicted or computed blocks saved to the host
+# tier, hits loaded from it, hits loaded from the disk tier.
+TIER_COPIES = ("host_tier_save", "host_tier_load", "disk_tier_load")

@@ -7,6 +7,8 @@ on rank 0, samples the sequences whose every token is now computed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -52,14 +54,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._copy_seconds: dict[str, float] = {}
+        output = self._execute_model(scheduler_output)
+        output.tier_copy_seconds = self._copy_seconds
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if self.host_tier is not None:
-            if scheduler_output.blocks_to_save:
-                self.host_tier.save(self.kv_cache, scheduler_output.blocks_to_save)
-            if scheduler_output.blocks_to_load:
-                self.host_tier.load(self.kv_cache, scheduler_output.blocks_to_load)
-            if self.disk_tier is not None and scheduler_output.blocks_to_load_from_disk:
-                self.disk_tier.load(self.kv_cache, scheduler_output.blocks_to_load_from_disk)
+            host, disk = self.host_tier, self.disk_tier
+            self._tier_copy("host_tier_save", host.save, scheduler_output.blocks_to_save)
+            self._tier_copy("host_tier_load", host.load, scheduler_output.blocks_to_load)
+            if disk is not None:
+                self._tier_copy(
+                    "disk_tier_load", disk.load, scheduler_output.blocks_to_load_from_disk
+                )
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             self.attention.copy_blocks(self.kv_cache, list(src), list(dst))
@@ -70,8 +79,9 @@ class ModelRunner:
             scheduler_output
         )
         hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # [num_tokens, hidden]
-        if self.host_tier is not None and scheduler_output.computed_blocks_to_save:
-            self.host_tier.save(self.kv_cache, scheduler_output.computed_blocks_to_save)
+        if self.host_tier is not None:
+            saves = scheduler_output.computed_blocks_to_save
+            self._tier_copy("host_tier_save", self.host_tier.save, saves)
         prompt_logprobs = {}
         if self.batch.prompt_logprob_reqs:
             prompt_logprobs = self._prompt_logprobs(scheduler_output, hidden)
@@ -101,6 +111,21 @@ class ModelRunner:
                 if row.error is not None
             },
         )
+
+    def _tier_copy(
+        self,
+        copy: str,
+        method: Callable[[torch.Tensor, list[tuple[int, int]]], None],
+        blocks: list[tuple[int, int]],
+    ) -> None:
+        """Run one of the step's tier copies (`TIER_COPIES`), timed: the seconds a tier costs
+        the step are its operators' question."""
+        if not blocks:
+            return
+        start = time.perf_counter()
+        method(self.kv_cache, blocks)
+        elapsed = time.perf_counter() - start
+        self._copy_seconds[copy] = self._copy_seconds.get(copy, 0.0) + elapsed
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, hidden: torch.Tensor

@@ -154,6 +154,17 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "KV tier copy time",
+        "percentunit",
+        "Share of wall time rank 0 spends copying blocks between its pool and the tiers (saves "
+        "to the host tier, loads from it and from the disk tier): what the tiers cost the steps.",
+        [
+            (_sum_by_model(_rate("ray_pagedray_host_tier_save_seconds_total")), "host save"),
+            (_sum_by_model(_rate("ray_pagedray_host_tier_load_seconds_total")), "host load"),
+            (_sum_by_model(_rate("ray_pagedray_disk_tier_load_seconds_total")), "disk load"),
+        ],
+    ),
+    (
         "Running and waiting requests",
         "short",
         "Summed over engine replicas.",

@@ -33,6 +33,9 @@ COUNTERS = (
     "ray_pagedray_host_tier_loaded_blocks_total",
     "ray_pagedray_disk_tier_saved_blocks_total",  # moved down from the host tier
     "ray_pagedray_disk_tier_loaded_blocks_total",
+    "ray_pagedray_host_tier_save_seconds_total",  # rank 0's copy time
+    "ray_pagedray_host_tier_load_seconds_total",
+    "ray_pagedray_disk_tier_load_seconds_total",
     "ray_pagedray_num_preemptions_total",
     "ray_pagedray_prompt_tokens_total",
     "ray_pagedray_prompt_tokens_by_source_total",  # tag source (vLLM's three)

@@ -63,8 +63,10 @@ def test_an_evicted_prompt_comes_back_from_the_tier_token_for_token(
     evict_all(first, seed)
     before = first.stats()
     assert before["host_tier_saved_blocks"] > 0
+    assert before["host_tier_save_seconds"] > 0
     assert tokens(first, [prompt], params) == expected
     after = first.stats()
+    assert after["host_tier_load_seconds"] > before["host_tier_load_seconds"]
     loaded = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
     assert loaded == 6 * BLOCK, "every full block of the prompt but the last token's is loaded"
     assert after["prefix_cache_hits"] == before["prefix_cache_hits"], "not from the pool"
@@ -170,6 +172,7 @@ def test_blocks_the_host_tier_drops_come_back_from_disk_and_outlive_it(
         assert tokens(llm, [prompt], GREEDY) == expected
         after = llm.stats()
         assert after["disk_tier_loaded_blocks"] - before["disk_tier_loaded_blocks"] == 6
+        assert after["disk_tier_load_seconds"] > before["disk_tier_load_seconds"]
     finally:
         llm.shutdown()
     for path in (tmp_path / "shm").iterdir():
