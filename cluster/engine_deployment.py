@@ -21,7 +21,7 @@ from pagedray.cluster.engine_autoscaling import report as autoscaling_report
 from pagedray.cluster.engine_router import DEFAULT_LOAD_THRESHOLD, EngineRequestRouter
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
-from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, AsyncEngine
+from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
@@ -246,6 +246,11 @@ class EngineDeployment:
         }
 
     def __del__(self) -> None:
+        """Serve's shutdown hook (a drain, a scale-down, a redeploy): after the requests
+        drained, the pool's cache goes to the node's host tier, then the ranks stop."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.save_cache_to_tier(SAVE_ON_EXIT_S)
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()

@@ -65,6 +65,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer, stream_text=False)
         self._request_counter = itertools.count()
         self._interrupted = threading.Event()  # set: `_run` stops before its next step
+        self._shut_down = False
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -144,7 +145,15 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Stop the workers; first, with a host KV tier, leave the pool's cached blocks in it
+        (the next engine of this model on the node finds them)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            compute_thread().run(self.engine.save_cache_to_tier)
+        finally:
+            self.executor.shutdown()
 
     def _run_on_compute_thread(self, request_ids: list[str], use_tqdm: bool) -> None:
         """`_run` on the compute thread. Interrupted here (Ctrl-C), it first stops the loop

@@ -127,6 +127,19 @@ class EngineCore:
                 rows[req_id] = req.grammar
         return rows
 
+    def save_cache_to_tier(self) -> int:
+        """Before the engine goes (a drain, a scale-down, a redeploy, `LLM.shutdown`): save
+        the blocks its pool caches that the node's tier lacks, so that a replica replacing it
+        starts warm without write-through. Only while idle (an in-flight request's next step is
+        not this call's to run); returns the blocks saved."""
+        manager = self.scheduler.kv_cache_manager
+        tier = manager.host_tier
+        if tier is None or self.has_unfinished_requests() or not manager.offer_cached_blocks():
+            return 0
+        saved_before = tier.num_saved
+        self.step()  # nothing to schedule: the plan carries only the saves
+        return tier.num_saved - saved_before
+
     def _wait_for_grammars(self) -> None:
         """Nothing could run: if a grammar is compiling, idle on it briefly rather than spin."""
         for req in self.scheduler.waiting:

@@ -216,6 +216,18 @@ class KVCacheManager:
             (before if is_evicted else after).append((block_id, slot))
         return before, after
 
+    def offer_cached_blocks(self) -> int:
+        """Hand every block the pool's prefix cache holds to the next plan's saves, as if
+        evicted (the tier skips those it has): the engine is going away, and what its pool
+        held stays on the node for the replica that replaces it. Returns the blocks offered."""
+        if self.host_tier is None:
+            return 0
+        pool = self.block_pool
+        assert pool.evicted is not None
+        cached = [(block.block_id, h) for h, block in pool.cached_block_hash_to_block.items()]
+        pool.evicted.extend(cached)
+        return len(cached)
+
     def step_done(self, ran: bool, tier_copy_seconds: dict[str, float] | None = None) -> None:
         """The step planned last has run (`ran`), its copies taking `tier_copy_seconds` on rank
         0, or failed: publish or free its tier writes."""

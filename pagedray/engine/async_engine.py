@@ -48,6 +48,10 @@ STALL_MIN_STEPS = 16
 # default, 2 s at least), so an idle engine with metrics re-records its gauges this often.
 METRICS_REFRESH_S = 1.0
 
+# How long an exiting engine may spend saving its pool's cache to the host tier (a pool of
+# a few GiB takes about a second).
+SAVE_ON_EXIT_S = 10.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -192,12 +196,31 @@ class AsyncEngine:
         }
 
     async def shutdown(self) -> None:
-        """Stop the loop and fail what is still in flight."""
+        """Stop the loop, leave the pool's cache in the node's tier when idle, and fail what is
+        still in flight."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.save_cache_to_tier, SAVE_ON_EXIT_S)
         self._fail_all(EngineDeadError("engine shut down"))
+
+    def save_cache_to_tier(self, timeout_s: float) -> int:
+        """The engine is going away: save its pool's cached blocks to the node's host tier
+        (`EngineCore.save_cache_to_tier`), waiting at most `timeout_s`; blocking, for a
+        destructor. A failure is logged, never raised: the engine goes either way."""
+        if self._error is not None:
+            return 0
+        future = compute_thread().submit(self.core.save_cache_to_tier)
+        try:
+            saved = future.result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a dead rank, a timeout: nothing more to save
+            logger.warning("saving the KV cache to the host tier failed", exc_info=True)
+            return 0
+        if saved:
+            logger.info("saved %d cached KV blocks to the host tier before exiting", saved)
+        return saved
 
     # ---- the loop ------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from _serve_apps import deploy_tiny
+from ray import serve
 
 MODEL = "tiny"
 BLOCK = 16
@@ -62,3 +63,28 @@ def test_a_prompt_no_pool_holds_comes_back_from_the_tier(url: str) -> None:
     # same blocks held.
     held = {r["host_tier_num_blocks"] for r in replicas(url)}
     assert len(held) == 1 and held.pop() > 0
+
+
+def test_a_redeployed_engine_starts_with_what_the_old_one_cached(
+    serve_url: str, tiny_llama: str
+) -> None:
+    """Without write-through and with nothing evicted, an engine replica Serve shuts down (a
+    redeploy, a scale-down, a deleted app) saves its pool's cache to the node's tier first: the
+    replica after it answers the same prompt from there."""
+    rng = random.Random(2027)
+    prompt = [rng.randrange(1, 250) for _ in range(100)]
+    args = {"served_model_name": MODEL, "num_kv_blocks": 256, "kv_offloading_size": 0.01}
+    texts = []
+    for _ in range(2):
+        app = deploy_tiny(serve_url, "redeployed", tiny_llama, **args)
+        url = next(app)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answer = complete(client, prompt)
+        texts.append(answer.choices[0].text)
+        cached = answer.usage.prompt_tokens_details
+        cached_tokens = cached.cached_tokens if cached else 0
+        with pytest.raises(StopIteration):
+            next(app)  # serve.delete: the replica drains, saves, exits
+    assert texts[0] == texts[1]
+    assert cached_tokens == 6 * BLOCK, "the second replica loaded the first one's blocks"
+    assert "redeployed" not in serve.status().applications

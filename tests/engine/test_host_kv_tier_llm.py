@@ -152,6 +152,26 @@ def test_written_through_a_prompt_is_in_the_tier_before_any_eviction(tiny_llama:
         reader.shutdown()
 
 
+def test_an_engine_shut_down_leaves_its_pool_in_the_tier(tiny_llama: str) -> None:
+    """Without write-through, nothing evicted: the blocks reach the tier when the engine shuts
+    down (a drain, a redeploy, `LLM.shutdown`), and the engine after it starts warm."""
+    (prompt,) = prompts(7, 1)
+    llm = engine(tiny_llama, num_kv_blocks=256)
+    try:
+        expected = tokens(llm, [prompt], GREEDY)
+        assert llm.stats()["host_tier_saved_blocks"] == 0
+    finally:
+        llm.shutdown()
+    assert llm.stats()["host_tier_saved_blocks"] >= 6
+    llm.shutdown()  # a second call does nothing
+    after = engine(tiny_llama, num_kv_blocks=256)
+    try:
+        assert tokens(after, [prompt], GREEDY) == expected
+        assert after.stats()["external_prefix_cache_hits"] == 6 * BLOCK
+    finally:
+        after.shutdown()
+
+
 def test_blocks_the_host_tier_drops_come_back_from_disk_and_outlive_it(
     tiny_llama: str, tmp_path, monkeypatch
 ) -> None:
