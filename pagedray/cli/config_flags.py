@@ -29,13 +29,15 @@ def add_config_flags(
         spec = _cli_spec(field)
         if spec is None:
             continue
+        # NOTE: argparse reads help as a %-format ("9% of ..." broke `--help`): escaped.
+        description = (field.description or name).replace("%", "%%")
         if spec.get("positional"):
-            parser.add_argument(name, nargs="?", default=argparse.SUPPRESS, help=field.description)
+            parser.add_argument(name, nargs="?", default=argparse.SUPPRESS, help=description)
             continue
-        help_text = field.description or name
+        help_text = description
         if "default" not in help_text:
             shown = (defaults or {}).get(name, _shown_default(field))
-            help_text += f" (default: {shown})"
+            help_text += f" (default: {str(shown).replace('%', '%%')})"
         names = spec.get("flags") or ["--" + name.replace("_", "-")]
         options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         kind = _kind(field.annotation)

@@ -160,3 +160,15 @@ def test_cors_defaults_are_vllms_and_build_app_takes_json_text() -> None:
         cors(allowed_headers="Authorization")
     with pytest.raises(ValueError, match="^allow_credentials: "):
         cors(allow_credentials="maybe")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "make-model", "dashboard"])
+def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse reads each flag's help as a %-format: a description with a bare "%" (one did
+    have "9% of offline throughput") must not break `--help`."""
+    from pagedray.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: pagedray {command}")
