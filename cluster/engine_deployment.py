@@ -18,7 +18,11 @@ from ray.serve import Deployment
 from ray.serve.config import RequestRouterConfig
 
 from pagedray.cluster.engine_autoscaling import report as autoscaling_report
-from pagedray.cluster.engine_router import DEFAULT_LOAD_THRESHOLD, EngineRequestRouter
+from pagedray.cluster.engine_router import (
+    DEFAULT_LOAD_THRESHOLD,
+    DEFAULT_TIER_WEIGHT,
+    EngineRequestRouter,
+)
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, AsyncEngine
@@ -268,6 +272,7 @@ def engine_deployment_options(
     autoscaling_config: dict[str, Any] | None = None,
     health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S,
     routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD,
+    routing_tier_weight: float = DEFAULT_TIER_WEIGHT,
 ) -> dict[str, Any]:
     """Serve options for one engine per replica, each with its own STRICT_PACK group, routed by
     `EngineRequestRouter` (its load threshold, and its metrics tagged with the model's name)."""
@@ -289,6 +294,7 @@ def engine_deployment_options(
             request_router_class=cast(Any, EngineRequestRouter),  # a class, or its import path
             request_router_kwargs={
                 "load_threshold": routing_load_threshold,
+                "tier_weight": routing_tier_weight,
                 "model_name": config.served_name(),
             },
         ),

@@ -41,6 +41,13 @@ from pagedray.engine.wire import GenerateRequest
 
 # Ongoing requests by which the best-matching replica may exceed the lightest and still be chosen.
 DEFAULT_LOAD_THRESHOLD = 32
+# What a block in a replica's node's host KV tier counts for against one in its pool: it is
+# loaded rather than computed, but loaded (Dynamo's router weighs a host-tier block so).
+DEFAULT_TIER_WEIGHT = 0.75
+
+
+# The reasons of a call sent where its prefix is: its pool's blocks, or only its node's tier's.
+MATCHES = ("prefix_match", "tier_match")
 
 
 @dataclass(frozen=True)
@@ -49,15 +56,15 @@ class RoutingDecision:
     blocks each candidate replica caches (by replica id)."""
 
     reason: str  # a `RouterMetrics` reason
-    matched: dict[str, int] | None = None
+    matched: dict[str, float] | None = None  # pool blocks + the tier's, weighted
 
-    def for_replica(self, replica_id: str) -> tuple[str, int | None]:
+    def for_replica(self, replica_id: str) -> tuple[str, float | None]:
         """The reason and matched blocks for the replica that took the call: a prefix match
         that Serve gave to a less-matching replica (the best were full) is a load fallback."""
         if self.matched is None:
             return self.reason, None
         blocks = self.matched.get(replica_id, 0)
-        if self.reason == "prefix_match" and blocks < max(self.matched.values()):
+        if self.reason in MATCHES and blocks < max(self.matched.values()):
             return "load_fallback", blocks
         return self.reason, blocks
 
@@ -72,18 +79,21 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
 
     _live_replica_ids: frozenset[str] = frozenset()
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
+    tier_weight: float = DEFAULT_TIER_WEIGHT
     metrics: RouterMetrics | None = None
 
     def initialize_state(
         self,
         load_threshold: int = DEFAULT_LOAD_THRESHOLD,
         model_name: str | None = None,
+        tier_weight: float = DEFAULT_TIER_WEIGHT,
         **kwargs: Any,
     ) -> None:
         """`request_router_kwargs` of the deployment's `request_router_config`; with
         `model_name`, each routed call is counted (`RouterMetrics`)."""
         super().initialize_state(**kwargs)
         self.load_threshold = load_threshold
+        self.tier_weight = tier_weight
         self.metrics = RouterMetrics(model_name) if model_name is not None else None
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -144,13 +154,20 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         self, replicas: list[RunningReplica], hashes: list[bytes]
     ) -> tuple[list[list[RunningReplica]], RoutingDecision]:
         """The replicas holding the longest cached prefix first (then the rest, should those be
-        full); none when nothing matches or the best match is too loaded."""
+        full); none when nothing matches or the best match is too loaded. A replica's match is
+        the leading blocks its pool holds, plus those that follow in its node's host tier
+        weighted by `tier_weight` (a `tier_match` when no best replica's pool has any)."""
+        views = kv_views.KV_VIEWS
         ids = [r.replica_id.unique_id for r in replicas]
-        matched = [kv_views.KV_VIEWS.matched_blocks(replica_id, hashes) for replica_id in ids]
+        pooled = [views.matched_blocks(replica_id, hashes) for replica_id in ids]
+        tiered = [views.tier_blocks(replica_id, hashes, n) for replica_id, n in zip(ids, pooled)]
+        matched = [n + self.tier_weight * t for n, t in zip(pooled, tiered)]
         by_id = dict(zip(ids, matched))
         best = max(matched, default=0)
         if best == 0:
             return [], RoutingDecision("no_match", by_id)
+        best_pooled = (n for n, m in zip(pooled, matched) if m == best)
+        reason = "prefix_match" if any(best_pooled) else "tier_match"
         # Serve's cached ongoing-request counts; None once stale (10 s): unknown, not idle.
         load = [self.replica_queue_len_cache.get(r.replica_id) for r in replicas]
         known = [n for n in load if n is not None]
@@ -159,7 +176,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             return [], RoutingDecision("load_fallback", by_id)
         first = [r for r, m in zip(replicas, matched) if m == best]
         ranked = [first, [r for r, m in zip(replicas, matched) if m < best]]
-        return ranked, RoutingDecision("prefix_match", by_id)
+        return ranked, RoutingDecision(reason, by_id)
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None

@@ -31,6 +31,8 @@ class KVViews:
 
     def __init__(self) -> None:
         self.by_replica: dict[str, set[bytes]] = {}
+        # What each replica's node's host KV tier holds, as that replica last published it.
+        self.tier_by_replica: dict[str, set[bytes]] = {}
         self.live_replica_ids: frozenset[str] = frozenset()  # the router's, as it last saw
         self._engine: Any = None
         self._block_size = 0
@@ -69,6 +71,7 @@ class KVViews:
             if replica_id not in live:
                 self._tasks.pop(replica_id).cancel()
                 self.by_replica.pop(replica_id, None)
+                self.tier_by_replica.pop(replica_id, None)
         for replica_id in live:
             task = self._tasks.get(replica_id)
             if task is None or task.done():
@@ -78,15 +81,12 @@ class KVViews:
 
     def matched_blocks(self, replica_id: str, hashes: list[bytes]) -> int:
         """How many of `hashes`' leading blocks `replica_id` holds."""
-        held = self.by_replica.get(replica_id)
-        if not held:
-            return 0
-        matched = 0
-        for block_hash in hashes:
-            if block_hash not in held:
-                break
-            matched += 1
-        return matched
+        return _leading_run(self.by_replica.get(replica_id), hashes)
+
+    def tier_blocks(self, replica_id: str, hashes: list[bytes], start: int) -> int:
+        """How many of `hashes` from `start` on (past the pool's match) `replica_id`'s node
+        holds in its host tier: blocks the replica would load rather than compute."""
+        return _leading_run(self.tier_by_replica.get(replica_id), hashes[start:])
 
     async def _follow(self, replica_id: str) -> None:
         """Keep `replica_id`'s view until its stream ends: idle (the engine ends it; the view
@@ -94,6 +94,7 @@ class KVViews:
         is dropped, and followed again after a pause while the replica is live)."""
         while replica_id in self.live_replica_ids:
             view: set[bytes] = set()
+            tier_view: set[bytes] = set()
             stream = None
             try:
                 streaming = self._engine.options(stream=True)
@@ -104,6 +105,11 @@ class KVViews:
                         view = set()
                     delta.apply(view)
                     self.by_replica[replica_id] = view
+                    if delta.tier is not None:
+                        if delta.tier.cleared:
+                            tier_view = set()
+                        delta.tier.apply(tier_view)
+                        self.tier_by_replica[replica_id] = tier_view
                 return
             except asyncio.CancelledError:
                 if stream is not None:
@@ -114,7 +120,20 @@ class KVViews:
                     stream.cancel()
                 logger.info("KV view of engine replica %s broke: %r", replica_id, exc)
             self.by_replica.pop(replica_id, None)
+            self.tier_by_replica.pop(replica_id, None)
             await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+
+
+def _leading_run(held: set[bytes] | None, hashes: list[bytes]) -> int:
+    """How many of `hashes`, from the first, `held` has without a gap."""
+    if not held:
+        return 0
+    matched = 0
+    for block_hash in hashes:
+        if block_hash not in held:
+            break
+        matched += 1
+    return matched
 
 
 KV_VIEWS = KVViews()

@@ -370,6 +370,7 @@ class RouterMetrics:
     Serve routes again, its replica having refused it or died, counts again).
 
     Reasons: `prefix_match` (a replica caching most of the prompt's leading blocks),
+    `tier_match` (the best replicas' pools hold none of them, their node's host KV tier does),
     `load_fallback` (the best match was too loaded, or full, so another took it), `no_match`
     (no replica caches any of them), `load_only` (nothing to match: one engine, power-of-two
     routing, or no routing hashes yet).
@@ -384,7 +385,8 @@ class RouterMetrics:
         ).set_default_tags(tags)
         self.routing_matched_blocks = Histogram(
             "pagedray_routing_matched_blocks",
-            "Leading KV blocks of a routed prompt that its replica caches (the router's view).",
+            "Leading KV blocks of a routed prompt that its replica caches (the router's view; "
+            "those in its node's host tier count --routing-tier-weight each).",
             MATCHED_BLOCKS_BUCKETS,
             TAG_KEYS,
         ).set_default_tags(tags)
@@ -395,8 +397,9 @@ class RouterMetrics:
         """None: its counter's series name replicas, which are not known in advance."""
         return []
 
-    def record(self, replica: str, reason: str, matched_blocks: int | None) -> None:
-        """One routed call; `matched_blocks` None when the router had no prefix to match."""
+    def record(self, replica: str, reason: str, matched_blocks: float | None) -> None:
+        """One routed call; `matched_blocks` (the pool's, plus the tier's weighted) None when
+        the router had no prefix to match."""
         self.routed_requests.inc(tags={"replica": replica, "reason": reason})
         if matched_blocks is not None:
             self.routing_matched_blocks.observe(matched_blocks)

@@ -52,6 +52,8 @@ def build_openai_app(
         options["health_check_period_s"] = server.health_check_period_s
     if server.routing_load_threshold is not None:
         options["routing_load_threshold"] = server.routing_load_threshold
+    if server.routing_tier_weight is not None:
+        options["routing_tier_weight"] = server.routing_tier_weight
     engine_kwargs: dict[str, Any] = {"engine_builder": engine_builder}
     if server.stuck_after_s is not None:
         engine_kwargs["stuck_after_s"] = server.stuck_after_s

@@ -49,6 +49,13 @@ class ServerConfig(EngineConfig):
         description="cache-aware: ongoing requests by which the best-matching engine may exceed "
         "the least loaded and still be chosen (default 32)",
     )
+    routing_tier_weight: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="cache-aware: what a prompt block in an engine's node host KV tier counts "
+        "for against one in its pool (default 0.75; 0: pools only)",
+    )
     max_request_body_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="larger bodies are refused with 413"
     )

@@ -98,7 +98,7 @@ class EngineCore:
         self.last_step_duration = self.last_step_time - start
         self.last_batch_size = len(scheduler_output.num_scheduled_tokens)
         if self.kv_delta_listener is not None:
-            delta = self.scheduler.kv_cache_manager.block_pool.take_kv_delta()
+            delta = self.scheduler.kv_cache_manager.take_kv_delta()
             if delta:
                 self.kv_delta_listener(delta)
         return outputs

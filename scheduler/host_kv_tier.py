@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedray.scheduler.kv_events import KVCacheDelta, KVEventRecorder
 from pagedray.scheduler.prefix_hash import BlockHash
 
 MAGIC = b"PDKVTR02"
@@ -153,6 +154,7 @@ class HostKVTier:
         self._slot_hash: dict[int, BlockHash] = {}  # this process's mirror: VALID and WRITING
         self._hash_slot: dict[BlockHash, int] = {}
         self._valid: set[int] = set()  # slots the mirror saw VALID: stats count them per step
+        self.events: KVEventRecorder | None = None  # VALID hashes gained and lost, for routers
         self.num_saved = 0  # blocks this engine wrote into the tier
         with self._locked():
             self._rebuild()
@@ -275,6 +277,24 @@ class HostKVTier:
         }
         return stats | (self.lower.stats() if self.lower is not None else {})
 
+    def record_events(self) -> None:
+        """From now on keep the blocks the tier gains and loses (`take_events`), starting
+        from a snapshot: an engine publishes them to cache-aware routers beside its pool's."""
+        if self.events is None:
+            self.events = KVEventRecorder(self.num_slots)
+            self.events.cleared()
+            for slot in self._valid:
+                self.events.stored(self._slot_hash[slot])
+
+    def take_events(self) -> KVCacheDelta:
+        """The tier's changes since last asked (by any engine of the node), as this process
+        catches up with them; `record_events` first."""
+        assert self.events is not None, "record_events first"
+        with self._locked():
+            self._catch_up()
+        # A generator: read only by a recorder that overflowed (a snapshot), not every step.
+        return self.events.take(self._slot_hash[slot] for slot in self._valid)
+
     def close(self) -> None:
         for view in ("_header", "_log", "_records"):
             setattr(self, view, None)
@@ -333,6 +353,8 @@ class HostKVTier:
         self._slot_hash.clear()
         self._hash_slot.clear()
         self._valid.clear()
+        if self.events is not None:
+            self.events.cleared()
         for slot in np.flatnonzero(self._records["state"] != FREE):
             self._mirror(int(slot))
         self._gen = int(self._header["gen"][0])
@@ -341,13 +363,18 @@ class HostKVTier:
         old = self._slot_hash.pop(slot, None)
         if old is not None and self._hash_slot.get(old) == slot:
             del self._hash_slot[old]
-        self._valid.discard(slot)
+        if slot in self._valid:
+            self._valid.discard(slot)
+            if self.events is not None and old is not None:
+                self.events.removed(old)
         state = self._records["state"][slot]
         if state == FREE:
             return
+        block_hash = self._records["hash"][slot].tobytes()
         if state == VALID:
             self._valid.add(slot)
-        block_hash = self._records["hash"][slot].tobytes()
+            if self.events is not None:
+                self.events.stored(block_hash)
         self._slot_hash[slot] = block_hash
         self._hash_slot[block_hash] = slot
 

@@ -6,12 +6,14 @@ keeps KV memory consistent (refcounts, copy-on-write, prefix-cache indexing) liv
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedray.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedray.scheduler.host_kv_tier import HostKVTier
+from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.messages import TIER_COPIES
 from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
 from pagedray.scheduler.request import Request
@@ -72,6 +74,8 @@ class KVCacheManager:
         self.host_tier = host_tier if enable_caching else None
         if self.host_tier is not None:
             self.block_pool.evicted = []
+            if record_kv_events:  # routers score the tier's blocks too
+                self.host_tier.record_events()
         self.saving: list[int] = []  # tier slots the step being run writes, published after it
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # the block tables
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}  # hashes of full blocks
@@ -215,6 +219,14 @@ class KVCacheManager:
             block_id, is_evicted = sources[block_hash]
             (before if is_evicted else after).append((block_id, slot))
         return before, after
+
+    def take_kv_delta(self) -> KVCacheDelta:
+        """The prefix cache's changes since last asked (KV events on), with the node's host
+        tier's as `tier`."""
+        delta = self.block_pool.take_kv_delta()
+        if self.host_tier is None or self.host_tier.events is None:
+            return delta
+        return dataclasses.replace(delta, tier=self.host_tier.take_events())
 
     def offer_cached_blocks(self) -> int:
         """Hand every block the pool's prefix cache holds to the next plan's saves, as if

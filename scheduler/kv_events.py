@@ -22,6 +22,10 @@ class KVCacheDelta:
     stored: list[BlockHash] = field(default_factory=list)  # became hittable, first stored first
     removed: list[BlockHash] = field(default_factory=list)  # stopped being hittable
     cleared: bool = False  # the set was emptied before `removed` and `stored`
+    # The node's host KV tier's own delta, as this engine's mirror of it saw it change (the
+    # tier's blocks are the node's, whichever engine saved them); None: no tier, or none
+    # recorded. `apply` leaves it to the caller, who keeps that set apart.
+    tier: KVCacheDelta | None = None
 
     def apply(self, hashes: set[BlockHash]) -> None:
         """Bring a copy of the index (`hashes`) from the previous delta's state to this one's."""
@@ -31,7 +35,7 @@ class KVCacheDelta:
         hashes.update(self.stored)
 
     def __bool__(self) -> bool:
-        return self.cleared or bool(self.stored) or bool(self.removed)
+        return self.cleared or bool(self.stored) or bool(self.removed) or bool(self.tier)
 
 
 class KVEventRecorder:

@@ -32,6 +32,7 @@ class KVIndexPublisher:
 
     def __init__(self) -> None:
         self.hashes: set[bytes] = set()  # routing hashes, as of the last delta published
+        self.tier_hashes: set[bytes] = set()  # the node's host tier's, as this engine saw them
         self._subscribers: set[asyncio.Queue[KVCacheDelta]] = set()
 
     def listener(self, loop: asyncio.AbstractEventLoop) -> Callable[[KVCacheDelta], None]:
@@ -46,12 +47,10 @@ class KVIndexPublisher:
 
     def publish(self, delta: KVCacheDelta) -> None:
         """Apply `delta` to the mirror and pass it on to every subscriber (on the loop)."""
-        cut = KVCacheDelta(
-            [routing_hash(h) for h in delta.stored],
-            [routing_hash(h) for h in delta.removed],
-            delta.cleared,
-        )
+        cut = _cut(delta)
         cut.apply(self.hashes)
+        if cut.tier is not None:
+            cut.tier.apply(self.tier_hashes)
         for queue in self._subscribers:
             if queue.qsize() >= MAX_QUEUED_DELTAS:  # a slow reader: one snapshot replaces all
                 while not queue.empty():
@@ -61,7 +60,8 @@ class KVIndexPublisher:
                 queue.put_nowait(cut)
 
     def snapshot(self) -> KVCacheDelta:
-        return KVCacheDelta(stored=list(self.hashes), cleared=True)
+        tier = KVCacheDelta(stored=list(self.tier_hashes), cleared=True)
+        return KVCacheDelta(stored=list(self.hashes), cleared=True, tier=tier)
 
     async def subscribe(self, idle_end_s: float = IDLE_END_S) -> AsyncIterator[KVCacheDelta]:
         """A snapshot (`cleared`, every hash stored), then every delta, until closed or idle
@@ -84,17 +84,33 @@ class KVIndexPublisher:
         return len(self._subscribers)
 
 
-def pack_delta(delta: KVCacheDelta) -> tuple[bytes, bytes, bool]:
-    """A delta of routing hashes as two byte strings: a snapshot of a large pool pickles in
-    microseconds this way, against ~0.1 s as a list of 100k small bytes objects."""
-    return b"".join(delta.stored), b"".join(delta.removed), delta.cleared
+def _cut(delta: KVCacheDelta) -> KVCacheDelta:
+    """`delta` (and its tier's) in routing hashes."""
+    return KVCacheDelta(
+        [routing_hash(h) for h in delta.stored],
+        [routing_hash(h) for h in delta.removed],
+        delta.cleared,
+        _cut(delta.tier) if delta.tier is not None else None,
+    )
 
 
-def unpack_delta(packed: tuple[bytes, bytes, bool]) -> KVCacheDelta:
-    stored, removed, cleared = packed
+PackedDelta = tuple[bytes, bytes, bool, "PackedDelta | None"]
+
+
+def pack_delta(delta: KVCacheDelta) -> PackedDelta:
+    """A delta of routing hashes as two byte strings (and its tier's likewise): a snapshot of
+    a large pool pickles in microseconds this way, against ~0.1 s as a list of 100k small bytes
+    objects."""
+    tier = pack_delta(delta.tier) if delta.tier is not None else None
+    return b"".join(delta.stored), b"".join(delta.removed), delta.cleared, tier
+
+
+def unpack_delta(packed: PackedDelta) -> KVCacheDelta:
+    stored, removed, cleared, tier = packed
     size = ROUTING_HASH_BYTES
     return KVCacheDelta(
         [stored[i : i + size] for i in range(0, len(stored), size)],
         [removed[i : i + size] for i in range(0, len(removed), size)],
         cleared,
+        unpack_delta(tier) if tier is not None else None,
     )

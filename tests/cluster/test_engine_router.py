@@ -76,6 +76,31 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     assert ranked == [] and decision == RoutingDecision("no_match", {"a": 0, "b": 0})
 
 
+def test_blocks_in_a_nodes_tier_count_weighted_after_the_pools(views: KVViews) -> None:
+    """A block the replica's node holds in its host tier is loaded, not computed: it counts,
+    less than one in the pool, and only where it continues the pool's run."""
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    views.by_replica = {"a": {H[0]}, "b": set(), "c": set()}
+    views.tier_by_replica = {"a": {H[1], H[2]}, "b": set(H), "c": {H[1], H[2], H[3]}}
+    router = _router({"a": 0, "b": 0, "c": 0})
+    router.tier_weight = 0.75
+    ranked, decision = router._by_cached_prefix([a, b, c], H)
+    # a: 1 + 0.75 x 2; b: 0.75 x 4; c: its tier's run starts past H[0], which nothing holds.
+    assert ranked == [[b], [a, c]]
+    assert decision == RoutingDecision("tier_match", {"a": 2.5, "b": 3.0, "c": 0.0})
+    views.by_replica["a"] = {H[0], H[1]}
+    views.tier_by_replica["a"] = {H[1], H[2], H[3]}
+    ranked, decision = router._by_cached_prefix([a, b, c], H)
+    assert ranked == [[a], [b, c]] and decision.reason == "prefix_match"  # 2 + 0.75 x 2
+    router.tier_weight = 0.0  # pools only
+    ranked, decision = router._by_cached_prefix([b, c], H)
+    assert ranked == [] and decision.reason == "no_match"
+    assert RoutingDecision("tier_match", {"a": 2.5, "b": 3.0}).for_replica("a") == (
+        "load_fallback",
+        2.5,
+    )
+
+
 def test_an_unknown_load_is_not_taken_for_idle(views: KVViews) -> None:
     """Serve forgets a count after 10 s: neither side of the comparison may read it as 0."""
     a, b = _replica("a"), _replica("b")

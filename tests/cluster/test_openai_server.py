@@ -732,6 +732,38 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(
     assert three_or_four_blocks(routed) - three_or_four_blocks(routed_before) >= 10
 
 
+def test_a_prefix_only_the_nodes_tier_holds_is_routed_as_a_tier_match(
+    main_url: str, client: openai.OpenAI
+) -> None:
+    """Evicted from the pools, a prompt's blocks are in the node's host tier, which the engines
+    publish beside their pools: the router counts them (a tier match, not "no match") and the
+    replica it picks loads them instead of computing them."""
+    prompt = [(13 * i) % 90 + 5 for i in range(100)]  # six full blocks
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    # Both pools (64 blocks each) see far more than they hold: concurrent, so that power of
+    # two spreads them, and the first prompt's blocks go to the tier.
+    others = [[(7 * i + k) % 97 + 3 for i in range(100)] for k in range(1, 49)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(
+            pool.map(
+                lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=1), others
+            )
+        )
+    time.sleep(1.0)  # the ingress follows the engines' KV deltas as they step
+    routed_before = _routed_series()
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    details = again.usage.prompt_tokens_details if again.usage else None
+    assert details is not None and details.cached_tokens == 6 * 16
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+
+    def tier_matches(series: dict[str, float]) -> float:
+        return sum(n for key, n in series.items() if key.endswith(",tier_match}"))
+
+    while tier_matches(_routed_series()) - tier_matches(routed_before) < 1:
+        assert time.monotonic() < deadline, _routed_series()
+        time.sleep(1.0)
+
+
 def _routed_series() -> dict[str, float]:
     """The engine router's series: `name{replica,reason}` for the counter, `name{le=...}` for
     the histogram's buckets."""

@@ -33,6 +33,7 @@ class Follower:
     def __init__(self, deltas: AsyncIterator[KVCacheDelta]) -> None:
         self.deltas = deltas
         self.view: set[bytes] = set()
+        self.tier_view: set[bytes] = set()
         self.ever_stored: set[bytes] = set()
         self.num_snapshots = 0
 
@@ -42,6 +43,8 @@ class Follower:
 
     def take(self, delta: KVCacheDelta) -> None:
         delta.apply(self.view)
+        if delta.tier is not None:
+            delta.tier.apply(self.tier_view)
         self.ever_stored.update(delta.stored)
         self.num_snapshots += delta.cleared
 
@@ -87,6 +90,11 @@ def test_subscribers_views_equal_the_engine_index(
         expected = {routing_hash(block_hash) for block_hash in index}
         assert expected and early.view == expected
         assert late.view == expected and behind.view == expected
+        # The node's host tier too (on by default): the evicted blocks, as the engine saw them.
+        tier = core.scheduler.kv_cache_manager.host_tier
+        assert tier is not None
+        in_tier = {routing_hash(tier._slot_hash[slot]) for slot in tier._valid}
+        assert in_tier and early.tier_view == late.tier_view == behind.tier_view == in_tier
         assert len(early.ever_stored) > NUM_KV_BLOCKS  # blocks were evicted on the way
         assert early.num_snapshots == late.num_snapshots == 1
         assert behind.num_snapshots == 2  # it fell behind: a snapshot replaced its backlog
@@ -106,3 +114,5 @@ def test_a_packed_delta_unpacks_to_itself() -> None:
     delta = KVCacheDelta([b"a" * 8, b"b" * 8], [b"c" * 8], cleared=True)
     assert unpack_delta(pack_delta(delta)) == delta
     assert unpack_delta(pack_delta(KVCacheDelta())) == KVCacheDelta()
+    with_tier = KVCacheDelta([b"a" * 8], tier=KVCacheDelta([b"d" * 8], [b"e" * 8], True))
+    assert unpack_delta(pack_delta(with_tier)) == with_tier

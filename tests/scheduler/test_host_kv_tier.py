@@ -138,6 +138,8 @@ OPS = st.lists(
 def test_handles_agree_and_never_hand_out_a_leased_slot(tmp_path_factory, ops) -> None:
     path = tier_file(tmp_path_factory.mktemp("tier"), 6)
     handles = [HostKVTier(path), HostKVTier(path)]
+    handles[1].record_events()
+    routed: set[bytes] = set()  # a router's copy of the tier, from handle 1's events
     leased: dict[int, bytes] = {}  # slot -> the block a lookup leased it for
     for who, op, blocks in ops:
         tier, hashes = handles[who], [block_hash(b) for b in blocks]
@@ -156,9 +158,14 @@ def test_handles_agree_and_never_hand_out_a_leased_slot(tmp_path_factory, ops) -
             leased.clear()
         for slot, wanted in leased.items():
             assert handles[1 - who]._records["hash"][slot].tobytes() == wanted
+        handles[1].take_events().apply(routed)
     stats = [handle.stats()["host_tier_num_blocks"] for handle in handles]
-    in_file = int(np.count_nonzero(handles[0]._records["state"] == VALID))
-    assert stats[0] == stats[1] == in_file <= 6
+    records = handles[0]._records
+    in_file = {
+        records["hash"][slot].tobytes() for slot in np.flatnonzero(records["state"] == VALID)
+    }
+    assert stats[0] == stats[1] == len(in_file) <= 6
+    assert routed == in_file, "what the events told is what the tier holds"
     for handle in handles:
         handle.close()
 
@@ -211,3 +218,17 @@ def test_a_hash_evicted_and_computed_in_one_plan_is_saved_from_the_evicted_block
     recomputed = KVCacheBlock(block_id=7, block_hash=block_hash(0))
     before, after = manager.take_saves([recomputed])
     assert [block for block, _ in before] == [5] and after == []
+
+
+def test_events_tell_what_any_handle_saved_and_the_clock_dropped(tmp_path: Path) -> None:
+    path = tier_file(tmp_path, 2)
+    writer, watcher = HostKVTier(path), HostKVTier(path)
+    save(writer, [block_hash(0)])
+    watcher.record_events()
+    first = watcher.take_events()
+    assert first.cleared and first.stored == [block_hash(0)], "a snapshot to start from"
+    assert not watcher.take_events()
+    save(writer, [block_hash(1), block_hash(2)])  # two slots: the clock drops one
+    delta = watcher.take_events()
+    assert not delta.cleared and set(delta.stored) == {block_hash(1), block_hash(2)}
+    assert delta.removed == [block_hash(0)]
