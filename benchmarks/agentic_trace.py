@@ -19,12 +19,14 @@ a fresh server without a tier (cold): first-request TTFT each.
     .venv/bin/python benchmarks/agentic_trace.py              # 16 sessions x 6 turns
     .venv/bin/python benchmarks/agentic_trace.py --quick      # 6 sessions x 4 turns
     .venv/bin/python benchmarks/agentic_trace.py --no-vllm    # pagedray's two rows only
+    .venv/bin/python benchmarks/agentic_trace.py --saturated  # no think time: server-bound
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import os
 import random
@@ -324,6 +326,11 @@ def parse_args() -> argparse.Namespace:
     add = parser.add_argument
     add("--model", default=None, help="checkpoint directory (default: the built default model)")
     add("--quick", action="store_true", help="a smaller trace, a smoke run")
+    add(
+        "--saturated",
+        action="store_true",
+        help="no think time and every session at once: the servers' throughput, not the clients'",
+    )
     add("--seed", type=int, default=0)
     add("--no-vllm", action="store_true", help="skip vLLM's row")
     add("--server-threads", type=int, default=1, help="pagedray: torch threads per replica")
@@ -339,6 +346,8 @@ def main() -> None:
 
     path = args.model or str(default_model_path())
     shape = QUICK if args.quick else FULL
+    if args.saturated:
+        shape = dataclasses.replace(shape, think_s=(0.0, 0.0), stagger_s=0.0)
     trace = Trace(shape, AutoTokenizer.from_pretrained(path), args.seed)
     if not args.blocks_per_replica:
         longest = len(trace.tokenizer.encode(trace.first_prompt(0))) + shape.turns * (
@@ -349,7 +358,8 @@ def main() -> None:
         args.blocks_per_replica = max(-(-MAX_MODEL_LEN // BLOCK), working_set // 4 // 2 // BLOCK)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')}; {path}; {shape.sessions} sessions x {shape.turns} "
-        f"turns (fewer where a context would pass {MAX_MODEL_LEN} tokens); 2 replicas x "
+        f"turns (fewer where a context would pass {MAX_MODEL_LEN} tokens)"
+        f"{', saturated (no think time)' if args.saturated else ''}; 2 replicas x "
         f"{args.blocks_per_replica} blocks of {BLOCK} tokens"
     )
     if not args.no_vllm:
