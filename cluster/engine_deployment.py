@@ -8,7 +8,6 @@ loop. More replicas = more independent engines; Serve routes requests among them
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import pickle
 from typing import Any, AsyncIterator, Callable, cast
@@ -81,17 +80,14 @@ class EngineDeployment:
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         engine_builder: EngineBuilder | None = None,
     ) -> None:
-        """`engine_builder` (default `build_engine`) lets tests inject a faulty engine."""
+        """`engine_builder` (default `_replica_engine`) lets tests inject a faulty engine."""
         self.config = _with_serving_threads(EngineConfig.model_validate(config))
-        if engine_builder is None:
-            # In the replica: the driver that builds the app needs neither.
-            from pagedray.cluster.ray_executor import executor_factory
-            from pagedray.engine.engine_factory import build_engine
-
-            make_executor = executor_factory(self.config)
-            engine_builder = functools.partial(build_engine, make_executor=make_executor)
         # Built on the thread that will step it (see workers/compute_thread.py).
-        engine, self.executor, _, _ = compute_thread().run(engine_builder, self.config)
+        engine, self.executor, _, _ = compute_thread().run(
+            engine_builder or _replica_engine, self.config
+        )
+        if engine.scheduler.structured is not None:
+            engine.scheduler.structured.warm_up()  # the grammars' tokenizer, in the background
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
         model_name = self.config.served_name()
         self.engine = AsyncEngine(
@@ -258,6 +254,17 @@ class EngineDeployment:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+
+
+def _replica_engine(config: EngineConfig) -> tuple[Any, Any, None, None]:
+    """The replica's engine and executor (ranks in its process, or actors at TP > 1), and no
+    tokenizer or validator: the ingress makes and reads the text, so the replica starts without
+    loading a tokenizer (1-3 s); its grammars load one when they first need it."""
+    from pagedray.cluster.ray_executor import executor_factory
+    from pagedray.engine.engine_factory import build_engine_core
+
+    engine, executor = build_engine_core(config, executor_factory(config))
+    return engine, executor, None, None
 
 
 def error_output(request_id: str, exc: BaseException) -> RequestStepOutput:

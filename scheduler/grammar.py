@@ -155,6 +155,21 @@ class StructuredOutputManager:
                 return RequestGrammar.of(template.deep_copy())
         return RequestGrammar(self._compile_pool.submit(self._matcher, params.key))
 
+    def warm_up(self) -> None:
+        """Read the tokenizer and index its vocabulary on the compile thread now, before the
+        first structured request needs it (a new replica is ready without having waited)."""
+        self._compile_pool.submit(self._llg_tokenizer)
+
+    def _llg_tokenizer(self) -> LLTokenizer:
+        """On the compile thread: the vocabulary as llguidance indexes it, built once."""
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._tokenizer = LLTokenizer(
+                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
+        return self._tokenizer
+
     def _matcher(self, key: tuple[str, str]) -> LLMatcher:
         """On the compile thread: the template for `key` (compiled unless an earlier request
         of the same constraint compiled it meanwhile), copied."""
@@ -166,13 +181,7 @@ class StructuredOutputManager:
                 self.stats.num_cache_hits += 1
                 return template.deep_copy()
         start = time.perf_counter()
-        if self._tokenizer is None:
-            from llguidance import LLTokenizer
-
-            self._tokenizer = LLTokenizer(
-                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-        template = LLMatcher(self._tokenizer, compiled_grammar(key), log_level=0)
+        template = LLMatcher(self._llg_tokenizer(), compiled_grammar(key), log_level=0)
         if template.is_error():
             raise refusal(f"structured_outputs.{key[0]}", f"{template.get_error()}")
         with self._lock:

@@ -3,11 +3,11 @@ the scheduler sized with that number, and the tokenizer-side validator."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer
 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.executor import UniProcExecutor
@@ -15,6 +15,7 @@ from pagedray.engine.prompt_validator import PromptValidator
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.grammar import StructuredOutputManager
 from pagedray.scheduler.host_kv_tier import HostKVTier
+from pagedray.scheduler.request_failure import refusal
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.worker_config import WorkerConfig
 
@@ -37,6 +38,10 @@ def open_tiers(paths: dict[str, str]) -> HostKVTier | None:
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
+    # NOTE: imported here: transformers' auto classes cost 1-2 s to import, which an engine
+    # replica (no tokenizer until a structured request) does not pay at start.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(config.tokenizer or config.model)
 
 
@@ -46,15 +51,16 @@ def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> 
 
 
 def structured_output_manager(
-    tokenizer: Any, model_config: ModelConfig
-) -> StructuredOutputManager | None:
-    """Grammars for structured outputs, over the model's whole logits width and EOS ids; None
-    for a tokenizer without a `tokenizers` backend (such requests are then refused)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
+    tokenizer: Callable[[], Any], model_config: ModelConfig
+) -> StructuredOutputManager:
+    """Grammars for structured outputs, over the model's whole logits width and EOS ids; the
+    tokenizer (`tokenizer()`) is read at the first compile: one without a `tokenizers` backend
+    fails it, and such requests are refused."""
 
     def tokenizer_json() -> str:
+        backend = getattr(tokenizer(), "backend_tokenizer", None)
+        if backend is None:
+            raise refusal("structured_outputs", "the tokenizer has no `tokenizers` backend")
         # NOTE: a copy without padding or truncation, which would change how text tokenizes.
         copy = Tokenizer.from_str(backend.to_str())
         copy.no_padding()
@@ -75,8 +81,23 @@ ExecutorFactory = Callable[[WorkerConfig], Any]
 def build_engine(
     config: EngineConfig, make_executor: ExecutorFactory | None = None
 ) -> tuple[EngineCore, Any, Any, PromptValidator]:
-    """The engine core (its executor first: it learns how many KV blocks fit), the executor, the
-    tokenizer and the prompt validator. `make_executor` None: the one rank in this process."""
+    """The engine core (`build_engine_core`), the executor, the tokenizer and the prompt
+    validator: what an engine that takes text needs (offline `LLM`, `--no-ray`)."""
+    tokenizer = load_tokenizer(config)
+    engine, executor = build_engine_core(config, make_executor, lambda: tokenizer)
+    max_model_len = engine.scheduler.max_model_len
+    return engine, executor, tokenizer, make_validator(config, tokenizer, max_model_len)
+
+
+def build_engine_core(
+    config: EngineConfig,
+    make_executor: ExecutorFactory | None = None,
+    tokenizer: Callable[[], Any] | None = None,
+) -> tuple[EngineCore, Any]:
+    """The engine core (its executor first: it learns how many KV blocks fit) and the executor:
+    tokens in, tokens out. `make_executor` None: the one rank in this process. `tokenizer` gives
+    the grammars' tokenizer; None: loaded when first needed (`StructuredOutputManager.warm_up`
+    starts that), so that an engine replica, whose ingress makes the text, starts 1-3 s sooner."""
     max_model_len = config.resolved_max_model_len()
     if make_executor is None:
         if not config.in_process:
@@ -87,18 +108,14 @@ def build_engine(
         make_executor = UniProcExecutor
     executor = make_executor(config.worker_config(max_model_len))
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
-    tokenizer = load_tokenizer(config)
     engine = EngineCore(
         config.scheduler_config(max_model_len),
         executor.num_kv_blocks,
         executor,
         eos_token_ids=model_config.eos_token_id,
-        structured=structured_output_manager(tokenizer, model_config),
+        structured=structured_output_manager(
+            tokenizer or functools.cache(lambda: load_tokenizer(config)), model_config
+        ),
         host_tier=open_tiers(getattr(executor, "kv_tiers", {})),
     )
-    return (
-        engine,
-        executor,
-        tokenizer,
-        make_validator(config, tokenizer, engine.scheduler.max_model_len),
-    )
+    return engine, executor
