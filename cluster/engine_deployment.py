@@ -171,10 +171,10 @@ class EngineDeployment:
             yield pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
 
     async def subscribe_kv(self, replica_id: str) -> AsyncIterator[bytes]:
-        """This replica's prefix-cache index for a cache-aware router, while the caller reads:
-        a snapshot, then each step's changes, each a pickled `pack_delta` of routing hashes
-        (kv_index_publisher.py), until idle. Addressed to `replica_id` as `subscribe` is.
-        """
+        """This replica's prefix-cache index (and its node host tier's) for a cache-aware
+        router, while the caller reads: a snapshot, then each step's changes, each a pickled
+        `pack_delta` of routing hashes (kv_index_publisher.py), until idle. Addressed to
+        `replica_id` as `subscribe` is."""
         if replica_id != self.replica_id:
             raise RuntimeError(f"engine replica {replica_id} is gone")
         if self.kv_index is None:

@@ -53,14 +53,15 @@ MATCHES = ("prefix_match", "tier_match")
 @dataclass(frozen=True)
 class RoutingDecision:
     """Why a call was ranked as it was: the reason and, for a prefix match, how many leading
-    blocks each candidate replica caches (by replica id)."""
+    blocks each candidate replica caches (by replica id; its node tier's weighted)."""
 
     reason: str  # a `RouterMetrics` reason
     matched: dict[str, float] | None = None  # pool blocks + the tier's, weighted
 
     def for_replica(self, replica_id: str) -> tuple[str, float | None]:
-        """The reason and matched blocks for the replica that took the call: a prefix match
-        that Serve gave to a less-matching replica (the best were full) is a load fallback."""
+        """The reason and matched blocks (weighted) for the replica that took the call: a
+        prefix or tier match that Serve gave to a less-matching replica (the best were full)
+        is a load fallback."""
         if self.matched is None:
             return self.reason, None
         blocks = self.matched.get(replica_id, 0)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedray.engine.kv_index_publisher import routing_hash, unpack_delta
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
+from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.prefix_hash import compute_block_hashes
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
@@ -101,14 +102,9 @@ class KVViews:
                 stream = streaming.subscribe_kv.remote(**{REPLICA_ID_KWARG: replica_id})
                 async for pickled in stream:
                     delta = unpack_delta(pickle.loads(pickled))
-                    if delta.cleared:  # a snapshot: a new set, so the router never sees it empty
-                        view = set()
-                    delta.apply(view)
-                    self.by_replica[replica_id] = view
+                    view = self.by_replica[replica_id] = _applied(delta, view)
                     if delta.tier is not None:
-                        if delta.tier.cleared:
-                            tier_view = set()
-                        delta.tier.apply(tier_view)
+                        tier_view = _applied(delta.tier, tier_view)
                         self.tier_by_replica[replica_id] = tier_view
                 return
             except asyncio.CancelledError:
@@ -122,6 +118,15 @@ class KVViews:
             self.by_replica.pop(replica_id, None)
             self.tier_by_replica.pop(replica_id, None)
             await asyncio.sleep(RESUBSCRIBE_AFTER_S)
+
+
+def _applied(delta: KVCacheDelta, view: set[bytes]) -> set[bytes]:
+    """`view` brought up to `delta`; a snapshot makes a new set, so that the router never
+    reads one half rebuilt."""
+    if delta.cleared:
+        view = set()
+    delta.apply(view)
+    return view
 
 
 def _leading_run(held: set[bytes] | None, hashes: list[bytes]) -> int:

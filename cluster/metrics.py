@@ -150,8 +150,9 @@ class EngineMetrics:
         self.prompt_tokens = counter("pagedray_prompt_tokens", "Prompt tokens prefilled.")
         self.prompt_tokens_by_source = counter(
             "pagedray_prompt_tokens_by_source",
-            "Prompt tokens at their request's admission, by source: local_compute (computed), "
-            "local_cache_hit (the pool's prefix cache), external_kv_transfer (a KV tier).",
+            "Prompt tokens at their request's first admission (one refused or aborted before "
+            "it counts in none), by source: local_compute (computed), local_cache_hit (the "
+            "pool's prefix cache), external_kv_transfer (a KV tier).",
             ("source",),
         )
         self.generation_tokens = counter("pagedray_generation_tokens", "Tokens generated.")

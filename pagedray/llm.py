@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from concurrent import futures
@@ -24,6 +25,7 @@ from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.compute_thread import compute_thread
 
+logger = logging.getLogger(__name__)
 PromptType = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]}
 INTERRUPT_POLL_S = 0.1  # how soon a Ctrl-C stops `generate` at the latest
 
@@ -152,6 +154,8 @@ class LLM:
         self._shut_down = True
         try:
             compute_thread().run(self.engine.save_cache_to_tier)
+        except Exception:  # noqa: BLE001 - a dead rank: nothing to save, and never a new error
+            logger.warning("saving the KV cache to the host tier failed", exc_info=True)
         finally:
             self.executor.shutdown()
 

@@ -21,6 +21,10 @@ from pagedray.scheduler.scheduler import Scheduler
 
 # Longest the step thread idles on a compiling grammar before the loop looks at its queues again.
 GRAMMAR_WAIT_S = 0.05
+# Blocks an exiting engine saves per step: a bounded copy (on a GPU, one gather of this many
+# blocks on the device), so a large pool's save neither takes the memory of the pool's size nor
+# outruns its deadline by much.
+SAVE_CHUNK_BLOCKS = 1024
 
 
 class Executor(Protocol):
@@ -50,8 +54,9 @@ class EngineCore:
         self.last_step_duration = 0.0  # seconds
         self.last_batch_size = 0  # sequences in the last step
         self.last_bitmask_duration: float | None = None  # seconds; None: no constrained row
-        # With `record_kv_events`: given each step's prefix-cache changes, on the stepping thread,
-        # when there are any (a reset between steps comes with the next step's).
+        # With `record_kv_events`: given each step's prefix-cache changes (and the node host
+        # tier's, as `tier`), on the stepping thread, when there are any (a reset between steps
+        # comes with the next step's).
         self.kv_delta_listener: Callable[[KVCacheDelta], None] | None = None
 
     def add_request(self, engine_request: EngineRequest) -> None:
@@ -76,10 +81,14 @@ class EngineCore:
         outputs, self.scheduler.pending_outputs = self.scheduler.pending_outputs, []
         if scheduler_output.total_num_scheduled_tokens == 0:
             if scheduler_output.finished_req_ids or scheduler_output.blocks_to_save:
-                # Let the workers drop what finished even when nothing else runs.
-                runner_output = self.executor.execute_model(scheduler_output)
-                copies = runner_output.tier_copy_seconds if runner_output else None
-                self.scheduler.kv_cache_manager.step_done(ran=True, tier_copy_seconds=copies)
+                # Let the workers drop what finished (and save) even when nothing else runs.
+                manager = self.scheduler.kv_cache_manager
+                try:
+                    runner_output = self.executor.execute_model(scheduler_output)
+                except BaseException:
+                    manager.step_done(ran=False)  # the tier slots it was to write are freed
+                    raise
+                manager.step_done(ran=True, tier_copy_seconds=runner_output.tier_copy_seconds)
             if not outputs:
                 self._wait_for_grammars()
             return outputs
@@ -127,17 +136,24 @@ class EngineCore:
                 rows[req_id] = req.grammar
         return rows
 
-    def save_cache_to_tier(self) -> int:
+    def save_cache_to_tier(self, deadline: float | None = None) -> int:
         """Before the engine goes (a drain, a scale-down, a redeploy, `LLM.shutdown`): save
         the blocks its pool caches that the node's tier lacks, so that a replica replacing it
         starts warm without write-through. Only while idle (an in-flight request's next step is
-        not this call's to run); returns the blocks saved."""
+        not this call's to run); the most recently used first, at most half the tier (the other
+        engines' blocks there are as warm as these), in steps of `SAVE_CHUNK_BLOCKS` with
+        nothing scheduled, until `deadline` (time.monotonic()). Returns the blocks saved."""
         manager = self.scheduler.kv_cache_manager
         tier = manager.host_tier
-        if tier is None or self.has_unfinished_requests() or not manager.offer_cached_blocks():
+        if tier is None or self.has_unfinished_requests():
             return 0
+        cached = manager.cached_blocks_by_recency()[: tier.num_slots // 2]
         saved_before = tier.num_saved
-        self.step()  # nothing to schedule: the plan carries only the saves
+        for start in range(0, len(cached), SAVE_CHUNK_BLOCKS):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            manager.offer_for_saving(cached[start : start + SAVE_CHUNK_BLOCKS])
+            self.step()  # nothing to schedule: the plan carries only the saves
         return tier.num_saved - saved_before
 
     def _wait_for_grammars(self) -> None:

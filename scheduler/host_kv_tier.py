@@ -283,8 +283,8 @@ class HostKVTier:
         if self.events is None:
             self.events = KVEventRecorder(self.num_slots)
             self.events.cleared()
-            for slot in self._valid:
-                self.events.stored(self._slot_hash[slot])
+            for block_hash in self._valid_hashes():
+                self.events.stored(block_hash)
 
     def take_events(self) -> KVCacheDelta:
         """The tier's changes since last asked (by any engine of the node), as this process
@@ -293,7 +293,10 @@ class HostKVTier:
         with self._locked():
             self._catch_up()
         # A generator: read only by a recorder that overflowed (a snapshot), not every step.
-        return self.events.take(self._slot_hash[slot] for slot in self._valid)
+        return self.events.take(self._valid_hashes())
+
+    def _valid_hashes(self) -> Iterator[BlockHash]:
+        return (self._slot_hash[slot] for slot in self._valid)
 
     def close(self) -> None:
         for view in ("_header", "_log", "_records"):
@@ -315,15 +318,23 @@ class HostKVTier:
     def _finish_writes(self, slots: Sequence[int], state: int) -> None:
         if not slots:
             return
+        published = 0
         with self._locked():
+            self._catch_up()
             records = self._records
             for slot in slots:
-                records["state"][slot] = state
+                final = state
+                if state == VALID:
+                    holder = self._hash_slot.get(records["hash"][slot].tobytes())
+                    if holder not in (None, slot) and records["state"][holder] == VALID:
+                        final = FREE  # saved meanwhile by another whose lease on it had lapsed
+                    else:
+                        published += 1
+                records["state"][slot] = final
                 records["lease_until"][slot] = 0.0
                 self._changed(slot)
             self._catch_up()
-        if state == VALID:
-            self.num_saved += len(slots)
+        self.num_saved += published
 
     @contextmanager
     def _locked(self) -> Iterator[None]:

@@ -228,17 +228,17 @@ class KVCacheManager:
             return delta
         return dataclasses.replace(delta, tier=self.host_tier.take_events())
 
-    def offer_cached_blocks(self) -> int:
-        """Hand every block the pool's prefix cache holds to the next plan's saves, as if
-        evicted (the tier skips those it has): the engine is going away, and what its pool
-        held stays on the node for the replica that replaces it. Returns the blocks offered."""
-        if self.host_tier is None:
-            return 0
-        pool = self.block_pool
-        assert pool.evicted is not None
-        cached = [(block.block_id, h) for h, block in pool.cached_block_hash_to_block.items()]
-        pool.evicted.extend(cached)
-        return len(cached)
+    def cached_blocks_by_recency(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the pool's cached free blocks, the most recently used first
+        (the free queue holds the oldest freed at its head; idle, it holds every block)."""
+        free = self.block_pool.free_block_queue.get_all_free_blocks()
+        return [(b.block_id, b.block_hash) for b in reversed(free) if b.block_hash is not None]
+
+    def offer_for_saving(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Hand these cached blocks to the next plan's saves as if evicted (the tier skips
+        those it has): the engine is going away, and what its pool held stays on the node."""
+        assert self.block_pool.evicted is not None, "no host tier"
+        self.block_pool.evicted.extend(blocks)
 
     def step_done(self, ran: bool, tier_copy_seconds: dict[str, float] | None = None) -> None:
         """The step planned last has run (`ran`), its copies taking `tier_copy_seconds` on rank

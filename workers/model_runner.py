@@ -122,8 +122,13 @@ class ModelRunner:
         the step are its operators' question."""
         if not blocks:
             return
+        on_gpu = self.kv_cache.is_cuda  # copies queue on the stream: time them whole
+        if on_gpu:
+            torch.cuda.synchronize(self.kv_cache.device)
         start = time.perf_counter()
         method(self.kv_cache, blocks)
+        if on_gpu:
+            torch.cuda.synchronize(self.kv_cache.device)
         elapsed = time.perf_counter() - start
         self._copy_seconds[copy] = self._copy_seconds.get(copy, 0.0) + elapsed
 

@@ -51,6 +51,7 @@ METRICS_REFRESH_S = 1.0
 # How long an exiting engine may spend saving its pool's cache to the host tier (a pool of
 # a few GiB takes about a second).
 SAVE_ON_EXIT_S = 10.0
+SAVE_OVERRUN_S = 2.0  # past its deadline, the step a save is in may still finish
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._runner = StepRunner(core)
         self._error: BaseException | None = None
+        self._saved = self._saving = False  # the pool's cache went to the tier at exit
         self._stats = self.core.stats()  # a snapshot, refreshed only while no step runs
 
     def start(self) -> None:
@@ -182,7 +184,7 @@ class AsyncEngine:
         return None
 
     def stats(self) -> dict[str, Any]:
-        if self._runner.started is None:
+        if self._runner.started is None and not self._saving:
             self._stats = self.core.stats()
         return {
             **self._stats,
@@ -208,14 +210,20 @@ class AsyncEngine:
 
     def save_cache_to_tier(self, timeout_s: float) -> int:
         """The engine is going away: save its pool's cached blocks to the node's host tier
-        (`EngineCore.save_cache_to_tier`), waiting at most `timeout_s`; blocking, for a
-        destructor. A failure is logged, never raised: the engine goes either way."""
-        if self._error is not None:
+        (`EngineCore.save_cache_to_tier`) for at most about `timeout_s`; blocking, for a
+        destructor; once. Not while a run of steps is in flight (requests still run: their
+        steps are the loop's, not this call's). A failure is logged, never raised: the engine
+        goes either way."""
+        if self._error is not None or self._saved or self._runner.started is not None:
             return 0
-        future = compute_thread().submit(self.core.save_cache_to_tier)
+        self._saved = self._saving = True  # `stats` reads no tier meanwhile (one thread does)
+        deadline = time.monotonic() + timeout_s
+        future = compute_thread().submit(self.core.save_cache_to_tier, deadline)
+        future.add_done_callback(lambda _: setattr(self, "_saving", False))
         try:
-            saved = future.result(timeout=timeout_s)
+            saved = future.result(timeout=timeout_s + SAVE_OVERRUN_S)
         except Exception:  # noqa: BLE001 - a dead rank, a timeout: nothing more to save
+            future.cancel()  # if it has not started yet
             logger.warning("saving the KV cache to the host tier failed", exc_info=True)
             return 0
         if saved:

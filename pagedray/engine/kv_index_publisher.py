@@ -106,7 +106,9 @@ def pack_delta(delta: KVCacheDelta) -> PackedDelta:
 
 
 def unpack_delta(packed: PackedDelta) -> KVCacheDelta:
-    stored, removed, cleared, tier = packed
+    # NOTE: an engine of the version before tiers sends three fields (during a rolling upgrade).
+    stored, removed, cleared, *rest = packed
+    tier = rest[0] if rest else None
     size = ROUTING_HASH_BYTES
     return KVCacheDelta(
         [stored[i : i + size] for i in range(0, len(stored), size)],

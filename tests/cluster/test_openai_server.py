@@ -749,7 +749,7 @@ def test_a_prefix_only_the_nodes_tier_holds_is_routed_as_a_tier_match(
                 lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=1), others
             )
         )
-    time.sleep(1.0)  # the ingress follows the engines' KV deltas as they step
+    time.sleep(2.0)  # the ingress follows the engines' KV deltas (and the tier's) as they step
     routed_before = _routed_series()
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     details = again.usage.prompt_tokens_details if again.usage else None

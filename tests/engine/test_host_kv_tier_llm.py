@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from pagedray.llm import LLM
+from pagedray.scheduler import engine_core
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.host_kv_buffer import TIER_DIR_ENV
 
@@ -152,10 +153,14 @@ def test_written_through_a_prompt_is_in_the_tier_before_any_eviction(tiny_llama:
         reader.shutdown()
 
 
-def test_an_engine_shut_down_leaves_its_pool_in_the_tier(tiny_llama: str) -> None:
+@pytest.mark.parametrize("chunk", [1024, 2], ids=["one-step", "in-steps-of-2"])
+def test_an_engine_shut_down_leaves_its_pool_in_the_tier(
+    tiny_llama: str, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without write-through, nothing evicted: the blocks reach the tier when the engine shuts
     down (a drain, a redeploy, `LLM.shutdown`), and the engine after it starts warm."""
-    (prompt,) = prompts(7, 1)
+    monkeypatch.setattr(engine_core, "SAVE_CHUNK_BLOCKS", chunk)
+    (prompt,) = prompts(7 + chunk, 1)
     llm = engine(tiny_llama, num_kv_blocks=256)
     try:
         expected = tokens(llm, [prompt], GREEDY)

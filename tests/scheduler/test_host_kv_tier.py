@@ -232,3 +232,17 @@ def test_events_tell_what_any_handle_saved_and_the_clock_dropped(tmp_path: Path)
     delta = watcher.take_events()
     assert not delta.cleared and set(delta.stored) == {block_hash(1), block_hash(2)}
     assert delta.removed == [block_hash(0)]
+
+
+def test_a_block_saved_twice_is_kept_once(tmp_path: Path) -> None:
+    """A writer whose lease lapsed (slow, not dead) publishes after another saved the same
+    block: the tier keeps one copy, so the count and the routers' events stay right."""
+    path = tier_file(tmp_path, 4)
+    slow, quick = HostKVTier(path), HostKVTier(path)
+    ((_, late_slot),) = slow.reserve([block_hash(0)])
+    expire_leases(slow)
+    (slot,) = save(quick, [block_hash(0)])
+    slow.publish([late_slot])
+    assert slow.num_saved == 0 and quick.num_saved == 1
+    assert slow.stats()["host_tier_num_blocks"] == 1
+    assert slow.lookup([block_hash(0)]) == [slot]
