@@ -106,11 +106,17 @@ class EngineCore:
         self.last_step_time = time.monotonic()
         self.last_step_duration = self.last_step_time - start
         self.last_batch_size = len(scheduler_output.num_scheduled_tokens)
+        self.publish_kv_delta()
+        return outputs
+
+    def publish_kv_delta(self) -> None:
+        """Hand the prefix cache's changes (and the node tier's) to `kv_delta_listener`, if
+        any: after each step, and from an idle engine's loop, whose node tier the node's other
+        engines keep changing (and whose first delta is the tier's snapshot)."""
         if self.kv_delta_listener is not None:
             delta = self.scheduler.kv_cache_manager.take_kv_delta()
             if delta:
                 self.kv_delta_listener(delta)
-        return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         structured = self.scheduler.structured

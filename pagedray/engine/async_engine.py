@@ -249,6 +249,8 @@ class AsyncEngine:
                         finished_step = None
                     self.requests.expire()
                     self._recorder.stats(self._stats)
+                    if not self._saving:  # idle: no step touches the index or the tier now
+                        self.core.publish_kv_delta()
                     self._wakeup.clear()
                     await self._wait_for_work()
                     continue

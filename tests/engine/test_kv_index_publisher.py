@@ -116,3 +116,29 @@ def test_a_packed_delta_unpacks_to_itself() -> None:
     assert unpack_delta(pack_delta(KVCacheDelta())) == KVCacheDelta()
     with_tier = KVCacheDelta([b"a" * 8], tier=KVCacheDelta([b"d" * 8], [b"e" * 8], True))
     assert unpack_delta(pack_delta(with_tier)) == with_tier
+
+
+def test_an_idle_engine_publishes_what_its_node_tier_gained(tiny_llama: str) -> None:
+    """The node's other engines change the tier while this one idles: its routers hear of it
+    without a step (the replica's idle loop publishes), starting with the tier's snapshot."""
+    from pagedray.scheduler.host_kv_tier import HostKVTier
+
+    config = EngineConfig(
+        model=tiny_llama, num_kv_blocks=NUM_KV_BLOCKS, num_threads=1, enable_kv_cache_events=True
+    )
+    core = build_engine(config)[0]
+    tier = core.scheduler.kv_cache_manager.host_tier
+    assert tier is not None
+    deltas: list[KVCacheDelta] = []
+    core.kv_delta_listener = deltas.append
+    core.publish_kv_delta()
+    assert deltas and deltas[0].tier is not None and deltas[0].tier.cleared  # the snapshot
+    other = HostKVTier(tier.path)  # another engine of the node
+    block = bytes(range(32))
+    reserved = other.reserve([block])
+    other.publish([slot for _, slot in reserved])
+    core.publish_kv_delta()
+    assert deltas[-1].tier is not None and deltas[-1].tier.stored == [block]
+    assert core.num_steps == 0
+    core.publish_kv_delta()
+    assert len(deltas) == 2, "nothing changed: nothing published"
