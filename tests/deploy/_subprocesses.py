@@ -130,6 +130,41 @@ def thread_policies(pid: int) -> dict[str, set[int]]:
     return policies
 
 
+def listeners(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of each TCP socket listening in one of `pids` (from /proc)."""
+    inode_pid: dict[str, int] = {}
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            for fd in fd_dir.iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inode_pid[target[8:-1]] = pid
+        except OSError:  # exited, or not ours to read
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inode_pid:  # 0A: LISTEN
+                address, port = local.rsplit(":", 1)
+                found.append((_address(address), int(port, 16), inode_pid[inode]))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    """/proc/net's little-endian hex address as text ("127.0.0.1", "::ffff:127.0.0.1", "::")."""
+    raw = bytes.fromhex(hex_address)
+    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+    if len(raw) == 4:
+        return ".".join(str(b) for b in words[0])
+    joined = b"".join(words)
+    if joined[:12] == b"\0" * 10 + b"\xff\xff":
+        return "::ffff:" + ".".join(str(b) for b in joined[12:])
+    return "::" if joined == b"\0" * 16 else joined.hex()
+
+
 def command_line(pid: int) -> str:
     """The process's command line, arguments joined by spaces ('' once it is gone)."""
     try:

@@ -13,12 +13,11 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from _subprocesses import ServeProcess, pagedray_serve
+from _subprocesses import ServeProcess, listeners, pagedray_serve
 
 MODEL = "tiny"
 RECOVERY_S = 90.0  # the killed replica's replacement starts, on a loaded 2-core machine
@@ -37,23 +36,8 @@ def server(tiny_llama: str) -> Iterator[ServeProcess]:
 
 
 def _listening_pids(port: int, pids: list[int]) -> set[int]:
-    """Which of `pids` hold a socket listening on `port` (IPv4, from /proc)."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
-        if local_port == port and state == "0A":  # LISTEN
-            inodes.add(f"socket:[{inode}]")
-    holders = set()
-    for pid in pids:
-        fds = Path(f"/proc/{pid}/fd")
-        for fd in fds.iterdir() if fds.exists() else ():
-            try:
-                if os.readlink(fd) in inodes:
-                    holders.add(pid)
-            except OSError:
-                continue
-    return holders
+    """Which of `pids` hold a socket listening on `port`."""
+    return {pid for _, listening, pid in listeners(set(pids)) if listening == port}
 
 
 def _answered_by(server: ServeProcess) -> dict[str, int]:

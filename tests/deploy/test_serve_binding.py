@@ -13,48 +13,13 @@ import os
 from pathlib import Path
 
 import httpx
-from _subprocesses import command_line, descendants, pagedray_serve
+from _subprocesses import command_line, descendants, listeners, pagedray_serve
 
 KEY = "sk-binding-test-key"
 # Ray Serve 2.60 starts an inter-deployment gRPC server on "[::]:0" in every replica,
 # unconditionally (ray/serve/_private/replica.py): the one listener that cannot be kept on
 # loopback. The README says so; these are the only processes allowed to listen elsewhere.
 SERVE_REPLICA = "ray::ServeReplica"
-
-
-def _listeners(pids: set[int]) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of each TCP socket listening in one of `pids` (from /proc)."""
-    inode_pid: dict[str, int] = {}
-    for pid in pids:
-        fd_dir = Path(f"/proc/{pid}/fd")
-        try:
-            for fd in fd_dir.iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inode_pid[target[8:-1]] = pid
-        except OSError:  # exited, or not ours to read
-            continue
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state == "0A" and inode in inode_pid:  # 0A: LISTEN
-                address, port = local.rsplit(":", 1)
-                found.append((_address(address), int(port, 16), inode_pid[inode]))
-    return found
-
-
-def _address(hex_address: str) -> str:
-    """/proc/net's little-endian hex address as text ("127.0.0.1", "::ffff:127.0.0.1", "::")."""
-    raw = bytes.fromhex(hex_address)
-    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
-    if len(raw) == 4:
-        return ".".join(str(b) for b in words[0])
-    joined = b"".join(words)
-    if joined[:12] == b"\0" * 10 + b"\xff\xff":
-        return "::ffff:" + ".".join(str(b) for b in joined[12:])
-    return "::" if joined == b"\0" * 16 else joined.hex()
 
 
 def _loopback(address: str) -> bool:
@@ -67,19 +32,19 @@ def test_everything_but_serve_replicas_listens_on_loopback(tiny_llama: str, tmp_
     flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32", "--num-threads", "1"]
     with pagedray_serve(tiny_llama, *flags, "--api-key-file", str(key_file)) as server:
         pids = {server.proc.pid, *descendants(server.proc.pid)}
-        listeners = _listeners(pids)
-        ports = {port for _, port, _ in listeners}
+        found = listeners(pids)
+        ports = {port for _, port, _ in found}
         api_port = int(server.url.rsplit(":", 1)[1])
         assert {api_port, server.metrics_port} <= ports
         # Direct ingress: the ingress replica itself listens on the API port, not Serve's proxy.
-        api_listeners = {command_line(pid) for _, port, pid in listeners if port == api_port}
+        api_listeners = {command_line(pid) for _, port, pid in found if port == api_port}
         assert api_listeners and all("OpenAIIngress" in c for c in api_listeners), api_listeners
         # The model's threads run in the engine replica: at nice 0, not Ray's default 15.
         engines = [pid for pid in pids if "PagedRayEngine" in command_line(pid)]
         assert engines and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in engines)
         exposed = [
             (address, port, command_line(pid))
-            for address, port, pid in listeners
+            for address, port, pid in found
             if not _loopback(address) and SERVE_REPLICA not in command_line(pid)
         ]
         assert not exposed, exposed
