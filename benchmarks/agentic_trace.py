@@ -236,7 +236,7 @@ def probe_turn(trace: Trace, result: Result) -> Turn:
 
 
 def pagedray_server(args: argparse.Namespace, path: str, log_dir: Path, tier_gib: float) -> Server:
-    write_through = ("--kv-offloading-write-through",) if tier_gib else ()
+    write_through = ("--kv-offloading-write-through",) if tier_gib and args.write_through else ()
     flags = (
         *write_through,
         "--num-replicas", "2",
@@ -326,6 +326,11 @@ def parse_args() -> argparse.Namespace:
     add = parser.add_argument
     add("--model", default=None, help="checkpoint directory (default: the built default model)")
     add("--quick", action="store_true", help="a smaller trace, a smoke run")
+    add(
+        "--write-through",
+        action="store_true",
+        help="pagedray's tier saves every block as computed (off: evicted blocks, the default)",
+    )
     add(
         "--saturated",
         action="store_true",
