@@ -208,3 +208,33 @@ def test_blocks_the_host_tier_drops_come_back_from_disk_and_outlive_it(
         assert rebooted.stats()["disk_tier_loaded_blocks"] == 6
     finally:
         rebooted.shutdown()
+
+
+def test_a_serving_engine_saves_its_pool_once_and_never_beside_a_run(tiny_llama: str) -> None:
+    """`AsyncEngine.save_cache_to_tier` (Serve's exit hook): not while a run of steps is in
+    flight (its requests' steps are the loop's), and once: a second call saves nothing."""
+    import asyncio
+    import time
+
+    from pagedray.engine.async_engine import AsyncEngine
+    from pagedray.engine.config import EngineConfig
+    from pagedray.engine.engine_factory import build_engine
+    from pagedray.engine.output_processor import OutputProcessor
+
+    config = EngineConfig(
+        model=tiny_llama, num_kv_blocks=256, num_threads=1, kv_offloading_size=0.01
+    )
+    core, _executor, tokenizer, _validator = build_engine(config)
+    engine = AsyncEngine(core, OutputProcessor(tokenizer))
+    (prompt,) = prompts(9, 1)
+
+    async def serve_one() -> None:
+        async for _ in engine.add_request("r", prompt["prompt_token_ids"], GREEDY):
+            pass
+
+    asyncio.run(serve_one())
+    engine._runner.started = time.monotonic()  # as while a run is in flight
+    assert engine.save_cache_to_tier(10.0) == 0
+    engine._runner.started = None
+    assert engine.save_cache_to_tier(10.0) >= 6
+    assert engine.save_cache_to_tier(10.0) == 0
