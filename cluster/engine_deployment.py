@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from pagedray.cluster.engine_autoscaling import report as autoscaling_report
 from pagedray.cluster.engine_router import (
     DEFAULT_LOAD_THRESHOLD,
+    DEFAULT_PULL_MIN_BLOCKS,
     DEFAULT_TIER_WEIGHT,
     EngineRequestRouter,
 )
@@ -28,11 +29,13 @@ from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
-from pagedray.engine.output_channel import OutputChannels
+from pagedray.engine.output_channel import REPLICA_ID_KWARG, OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import failure_of
 from pagedray.engine.request_stream import Sink
-from pagedray.engine.wire import GenerateRequest, RequestStepOutput
+from pagedray.engine.wire import GenerateRequest, KVPull, RequestStepOutput
+from pagedray.scheduler.kv_transfer import KVExport, TierAddress
+from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
 from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_counts
 
@@ -51,6 +54,9 @@ DRAIN_MARGIN_S = 10.0
 NO_DEADLINE_DRAIN_S = 3600.0
 # How often a draining replica looks whether its calls are done (Serve's default: 2 s).
 DRAIN_POLL_S = 1.0
+# How long a request waits for the blocks it pulls (the holder's step in flight, a round trip)
+# before it computes them instead.
+PULL_TIMEOUT_S = 2.0
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
@@ -102,6 +108,9 @@ class EngineDeployment:
         self.channels = OutputChannels(self.engine.abort)
         # With KV cache events on, routers follow this engine's prefix cache (subscribe_kv).
         self.kv_index = KVIndexPublisher() if self.config.enable_kv_cache_events else None
+        tier = engine.scheduler.kv_cache_manager.host_tier
+        self.tier_address = TierAddress(_node_id(), tier.path) if tier is not None else None
+        self._engines: Any = None  # a handle to this deployment, for pulls (at the first)
 
     async def generate(self, request: GenerateRequest) -> RequestStepOutput:
         """A request, the one call shape: one unary call, answered when the request ends. A
@@ -139,6 +148,8 @@ class EngineDeployment:
                     RequestStepOutput(request_id, finished=True, replica_id=self.replica_id)
                 )
 
+        if request.pull_from is not None:
+            await self._pull(request, request.pull_from)
         try:
             self._add_request(request, sink)
         except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
@@ -155,6 +166,48 @@ class EngineDeployment:
                 self.engine.abort(request_id)
             if channel_id is not None:
                 self.channels.end_request(channel_id, request_id, discard_outputs=not finished)
+
+    async def _pull(self, request: GenerateRequest, pull: KVPull) -> None:
+        """Before admitting `request`, have the replica holding its prefix put the blocks this
+        one would compute into its node's tier (with their bytes if that tier is not this
+        one's): admission then loads them (scheduler/kv_transfer.py). Best effort: a holder
+        that is gone, fails or takes over `PULL_TIMEOUT_S` leaves them to be computed."""
+        if self.tier_address is None or pull.replica_id == self.replica_id:
+            return
+        block_size = self.engine.core.scheduler.config.block_size
+        prompt = request.prompt_token_ids
+        hashes = compute_block_hashes(prompt, block_size, request.cache_salt, [])
+        hashes = hashes[: pull.num_blocks]
+        if self._engines is None:
+            context = serve.get_replica_context()
+            self._engines = serve.get_deployment_handle(
+                context.deployment, context.app_name
+            ).options(stream=False)
+        call = self._engines.export_kv.remote(
+            hashes, self.tier_address, **{REPLICA_ID_KWARG: pull.replica_id}
+        )
+        try:
+            export = await asyncio.wait_for(call, PULL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a timeout, a holder gone: compute them
+            call.cancel()
+            holder = pull.replica_id
+            logger.info("pulling %d KV blocks from %s failed: %r", len(hashes), holder, exc)
+            return
+        self.engine.give_kv(export)
+        call_logger.debug(
+            "%s: pulled %d of %d KV blocks from %s",
+            request.request_id, len(export.block_hashes), len(hashes), pull.replica_id,
+        )  # fmt: skip
+
+    async def export_kv(
+        self, block_hashes: list[BlockHash], puller: TierAddress, replica_id: str
+    ) -> KVExport:
+        """The leading run of `block_hashes` this replica caches, saved into its node's tier
+        for `puller` (an engine that would compute them), their bytes included when `puller`
+        uses another tier; addressed to `replica_id` as `subscribe` is."""
+        if replica_id != self.replica_id:
+            raise RuntimeError(f"engine replica {replica_id} is gone")
+        return await self.engine.export_kv(block_hashes, puller != self.tier_address)
 
     async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:
         """Output channel `channel_id`'s batches, one per step, while the caller reads: each a
@@ -280,6 +333,7 @@ def engine_deployment_options(
     health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S,
     routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD,
     routing_tier_weight: float = DEFAULT_TIER_WEIGHT,
+    routing_pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS,
 ) -> dict[str, Any]:
     """Serve options for one engine per replica, each with its own STRICT_PACK group, routed by
     `EngineRequestRouter` (its load threshold, and its metrics tagged with the model's name)."""
@@ -302,6 +356,7 @@ def engine_deployment_options(
             request_router_kwargs={
                 "load_threshold": routing_load_threshold,
                 "tier_weight": routing_tier_weight,
+                "pull_min_blocks": routing_pull_min_blocks,
                 "model_name": config.served_name(),
             },
         ),
@@ -331,6 +386,12 @@ def _ray_ready() -> bool:
     import ray
 
     return ray.is_initialized()
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
 def _replica_id() -> str:

@@ -37,10 +37,15 @@ from ray.serve.request_router import (
 from pagedray.cluster import kv_views, replica_watch
 from pagedray.cluster.metrics import RouterMetrics
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
-from pagedray.engine.wire import GenerateRequest
+from pagedray.engine.wire import GenerateRequest, KVPull
 
 # Ongoing requests by which the best-matching replica may exceed the lightest and still be chosen.
 DEFAULT_LOAD_THRESHOLD = 32
+# Leading blocks by which a replica's pool must out-hold the one a request went to (load) for
+# that one to pull them from it (scheduler/kv_transfer.py) rather than compute them: a pull
+# waits for the holder's step in flight (tens of ms when loaded) and a round trip, which a few
+# blocks' prefill costs less than (512 tokens at 16 a block).
+DEFAULT_PULL_MIN_BLOCKS = 32
 # What a block in a replica's node's host KV tier counts for against one in its pool: it is
 # loaded rather than computed, but loaded (Dynamo's router weighs a host-tier block so).
 DEFAULT_TIER_WEIGHT = 0.75
@@ -57,6 +62,8 @@ class RoutingDecision:
 
     reason: str  # a `RouterMetrics` reason
     matched: dict[str, float] | None = None  # pool blocks + the tier's, weighted
+    pooled: dict[str, int] | None = None  # leading blocks in each replica's pool
+    tiered: dict[str, int] | None = None  # then in its node's tier
 
     def for_replica(self, replica_id: str) -> tuple[str, float | None]:
         """The reason and matched blocks (weighted) for the replica that took the call: a
@@ -68,6 +75,19 @@ class RoutingDecision:
         if self.reason in MATCHES and blocks < max(self.matched.values()):
             return "load_fallback", blocks
         return self.reason, blocks
+
+    def pull_for(self, replica_id: str, min_blocks: int) -> KVPull | None:
+        """Where `replica_id` should pull the prompt's leading blocks from: the replica whose
+        pool holds at least `min_blocks` more of them than `replica_id` has in its pool and
+        node tier together (0: never); None when none does."""
+        if self.pooled is None or self.tiered is None or min_blocks <= 0:
+            return None
+        holder = max(self.pooled, key=self.pooled.__getitem__)
+        held = self.pooled[holder]
+        have = self.pooled.get(replica_id, 0) + self.tiered.get(replica_id, 0)
+        if holder == replica_id or held - have < min_blocks:
+            return None
+        return KVPull(holder, held)
 
 
 class EngineRequestRouter(LocalityMixin, RequestRouter):
@@ -81,6 +101,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     _live_replica_ids: frozenset[str] = frozenset()
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
     tier_weight: float = DEFAULT_TIER_WEIGHT
+    pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS
     metrics: RouterMetrics | None = None
 
     def initialize_state(
@@ -88,6 +109,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         load_threshold: int = DEFAULT_LOAD_THRESHOLD,
         model_name: str | None = None,
         tier_weight: float = DEFAULT_TIER_WEIGHT,
+        pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS,
         **kwargs: Any,
     ) -> None:
         """`request_router_kwargs` of the deployment's `request_router_config`; with
@@ -95,6 +117,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         super().initialize_state(**kwargs)
         self.load_threshold = load_threshold
         self.tier_weight = tier_weight
+        self.pull_min_blocks = pull_min_blocks
         self.metrics = RouterMetrics(model_name) if model_name is not None else None
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -164,6 +187,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         tiered = [views.tier_blocks(replica_id, hashes, n) for replica_id, n in zip(ids, pooled)]
         matched = [n + self.tier_weight * t for n, t in zip(pooled, tiered)]
         by_id = dict(zip(ids, matched))
+        blocks = {"pooled": dict(zip(ids, pooled)), "tiered": dict(zip(ids, tiered))}
         best = max(matched, default=0)
         if best == 0:
             return [], RoutingDecision("no_match", by_id)
@@ -174,10 +198,10 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         known = [n for n in load if n is not None]
         best_known = [n for n, m in zip(load, matched) if m == best and n is not None]
         if best_known and min(best_known) - min(known) > self.load_threshold:
-            return [], RoutingDecision("load_fallback", by_id)
+            return [], RoutingDecision("load_fallback", by_id, **blocks)
         first = [r for r, m in zip(replicas, matched) if m == best]
         ranked = [first, [r for r, m in zip(replicas, matched) if m < best]]
-        return ranked, RoutingDecision(reason, by_id)
+        return ranked, RoutingDecision(reason, by_id, **blocks)
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: Any = None
@@ -219,14 +243,17 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
 
     def _record_decision(self, pending: PendingRequest, replica_id: str) -> None:
         """Tell the sender that the call `pending` goes to `replica_id` (a streamed request's
-        outputs come through that replica's channel), count it, and take its decision out of
-        the request (before the request is sent)."""
+        outputs come through that replica's channel), count it, name the replica it should
+        pull its prefix from if any, and take its decision out of the request (before the
+        request is sent)."""
         request = _generate_request(pending)
         if request is None:
             return
         if request.on_routed is not None:
             request.on_routed(replica_id)
         decision, request.routing_decision = request.routing_decision, None
+        if isinstance(decision, RoutingDecision):
+            request.pull_from = decision.pull_for(replica_id, self.pull_min_blocks)
         if decision is not None and self.metrics is not None:
             self.metrics.record(replica_id, *decision.for_replica(replica_id))
 

@@ -56,6 +56,13 @@ class ServerConfig(EngineConfig):
         description="cache-aware: what a prompt block in an engine's node host KV tier counts "
         "for against one in its pool (default 0.75; 0: pools only)",
     )
+    routing_pull_min_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="cache-aware: sent away from the engine whose pool holds its prefix (load), "
+        "a request's engine pulls the blocks from it when it holds this many more (default 32; "
+        "0: never)",
+    )
     max_request_body_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1, description="larger bodies are refused with 413"
     )

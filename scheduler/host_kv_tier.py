@@ -298,6 +298,17 @@ class HostKVTier:
     def _valid_hashes(self) -> Iterator[BlockHash]:
         return (self._slot_hash[slot] for slot in self._valid)
 
+    def read_slot(self, slot: int) -> bytes:
+        """A published slot's bytes, for an engine on another node (scheduler/kv_transfer.py);
+        the caller holds its lease (`lookup`)."""
+        offset = self.layout.data_offset + slot * self.layout.slot_bytes
+        return os.pread(self._fd, self.layout.slot_bytes, offset)
+
+    def write_slot(self, slot: int, data: bytes) -> None:
+        """Fill a reserved slot with a block from another node's tier, as a rank would."""
+        assert len(data) == self.layout.slot_bytes, "a block of another layout"
+        os.pwrite(self._fd, data, self.layout.data_offset + slot * self.layout.slot_bytes)
+
     def close(self) -> None:
         for view in ("_header", "_log", "_records"):
             setattr(self, view, None)

@@ -19,6 +19,7 @@ from pagedray.engine.admission import (
     Admission,
     default_max_num_waiting,
 )
+from pagedray.engine.kv_handoffs import KVHandoffs
 from pagedray.engine.output_processor import ChoiceDelta, OutputProcessor, deltas_by_request
 from pagedray.engine.request_errors import (
     EngineDeadError,
@@ -31,6 +32,8 @@ from pagedray.engine.step_metrics import EngineMetrics, StepMetricsRecorder
 from pagedray.engine.step_runner import FinishedStep, StepRunner
 from pagedray.engine.wire import RequestStepOutput
 from pagedray.scheduler.engine_core import EngineCore
+from pagedray.scheduler.kv_transfer import KVExport
+from pagedray.scheduler.prefix_hash import BlockHash
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.compute_thread import compute_thread
@@ -82,6 +85,7 @@ class AsyncEngine:
             max_num_waiting, request_timeout_s, by_priority=config.scheduling_policy == "priority"
         )
         self.requests = RequestLifecycle(self.admission, self._wake)
+        self.handoffs = KVHandoffs(core)  # blocks pulled from or given to other engines
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._runner = StepRunner(core)
@@ -142,6 +146,23 @@ class AsyncEngine:
             lambda: self.core.scheduler.waiting,
         )
 
+    def export_kv(
+        self, block_hashes: list[BlockHash], with_bytes: bool
+    ) -> asyncio.Future[KVExport]:
+        """Another engine would compute this prompt prefix: the leading blocks of it that this
+        one caches, saved into the node's tier within a step (with their bytes for another
+        node's engine; engine/kv_handoffs.py)."""
+        self.start()
+        self._raise_if_dead()
+        answer = self.handoffs.export(block_hashes, with_bytes)
+        self._wake()
+        return answer
+
+    def give_kv(self, export: KVExport) -> None:
+        """Blocks another node's engine exported: into this node's tier before the requests
+        added after this call are admitted."""
+        self.handoffs.give(export)
+
     def abort(self, request_id: str) -> None:
         """Abort a request: blocks freed before the next step, its stream failed (for a sink)."""
         self.requests.abort(request_id)
@@ -194,6 +215,7 @@ class AsyncEngine:
             "max_model_len": self.core.scheduler.max_model_len,
             "last_step_duration": self.core.last_step_duration,
             "last_batch_size": self.core.last_batch_size,
+            **self.handoffs.stats(),
             "healthy": self.health()["healthy"],
         }
 
@@ -247,6 +269,9 @@ class AsyncEngine:
                     if finished_step is not None:
                         self._complete(finished_step)
                         finished_step = None
+                    if self.handoffs.needs_step():  # idle, yet an export's blocks need saving
+                        await self._save_step(loop)
+                        continue
                     self.requests.expire()
                     self._recorder.stats(self._stats)
                     if not self._saving:  # idle: no step touches the index or the tier now
@@ -270,6 +295,7 @@ class AsyncEngine:
                     self._runner.started = None
                 if (failure := self._runner.failure) is not None:
                     raise failure  # a step handed over mid-run failed on the loop
+                self.handoffs.answer()  # the run's first step saved what exports offered
                 self._process(finished_step)
         except asyncio.CancelledError:
             self._runner.stopping = True
@@ -278,6 +304,15 @@ class AsyncEngine:
             self._runner.stopping = True
             self._error = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    async def _save_step(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A step that schedules nothing, for the saves its plan carries."""
+        self._runner.started = time.monotonic()
+        try:
+            await loop.run_in_executor(compute_thread(), self.core.step)
+        finally:
+            self._runner.started = None
+        self.handoffs.answer()
 
     def _hand_over(self, finished_step: FinishedStep) -> None:
         """A step of a run that goes on: its outputs out now, while the next one runs."""
@@ -290,7 +325,7 @@ class AsyncEngine:
     def _may_run_on(self) -> bool:
         """Read on the compute thread between a run's steps: nothing waits for the engine."""
         stop_strings = self.output_processor.finds_stop_strings
-        return not (self.requests.has_changes() or stop_strings)
+        return not (self.requests.has_changes() or stop_strings or self.handoffs.waiting())
 
     def _process(self, finished_step: FinishedStep) -> None:
         """A step's outputs; a stop string found (never mid-run, see `_may_run_on`) stops it."""
@@ -315,7 +350,9 @@ class AsyncEngine:
             await asyncio.wait_for(self._wakeup.wait(), timeout_s)
 
     def _apply_pending(self) -> None:
-        """Hand accepted requests and aborts to the scheduler (no step is in flight here)."""
+        """Hand accepted requests and aborts to the scheduler, after the engines' KV hand-offs
+        (no step is in flight here)."""
+        self.handoffs.apply()
         if not self.requests.has_changes():
             return  # nothing changed: the stats snapshot of the last step stands
         aborts, pending = self.requests.take_changes()
@@ -366,6 +403,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         self._recorder.clear()
+        self.handoffs.fail_all(exc)
         for request_id in self.requests.fail_all(exc):
             self.output_processor.abort(request_id)
 

@@ -17,6 +17,16 @@ from pagedray.scheduler.request_failure import RequestFailure
 from pagedray.scheduler.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class KVPull:
+    """The replica whose pool holds more of a request's prefix than the one the router sent it
+    to (that one was too loaded), and how many leading blocks it holds: the receiving engine
+    pulls them rather than computing them (scheduler/kv_transfer.py)."""
+
+    replica_id: str
+    num_blocks: int
+
+
 @dataclass
 class GenerateRequest:
     """One engine request: a validated, tokenized prompt and how to sample and stream it."""
@@ -34,6 +44,8 @@ class GenerateRequest:
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None
+    # Set by the router when it sends the request away from the replica holding its prefix.
+    pull_from: KVPull | None = None
     # For the router in the sender's process only (cluster/engine_router.py): the prompt's
     # block hashes, the decision taken with them, whom to tell which replica it chose (called
     # on the router's thread), and the replicas that failed this request (it moves elsewhere).

@@ -16,7 +16,7 @@ from pagedray.cluster.engine_router import (
     RoutingDecision,
 )
 from pagedray.cluster.kv_views import KVViews
-from pagedray.engine.wire import GenerateRequest
+from pagedray.engine.wire import GenerateRequest, KVPull
 from pagedray.scheduler.sampling_params import SamplingParams
 
 H = [bytes([i]) * 8 for i in range(4)]
@@ -59,7 +59,7 @@ def test_the_longest_match_goes_first(views: KVViews) -> None:
     views.by_replica = {"a": {H[0]}, "b": {H[0], H[1]}, "c": {H[0], H[1]}}
     ranked, decision = _router({"a": 0, "b": 3, "c": 1})._by_cached_prefix([a, b, c], H)
     assert ranked == [[b, c], [a]]  # ties go together: Serve takes the less loaded of them
-    assert decision == RoutingDecision("prefix_match", {"a": 1, "b": 2, "c": 2})
+    assert (decision.reason, decision.matched) == ("prefix_match", {"a": 1, "b": 2, "c": 2})
 
 
 def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
@@ -68,12 +68,12 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     ranked, decision = _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
     assert ranked == [[a], [b]] and decision.reason == "prefix_match"
     ranked, decision = _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
-    assert ranked == [] and decision == RoutingDecision("load_fallback", {"a": 2, "b": 0})
+    assert ranked == [] and (decision.reason, decision.matched) == ("load_fallback", {"a": 2, "b": 0})
     ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]])
-    assert ranked == [] and decision == RoutingDecision("no_match", {"a": 0, "b": 0})
+    assert ranked == [] and (decision.reason, decision.matched) == ("no_match", {"a": 0, "b": 0})
     # A prompt shorter than a block: no hashes, nothing to find.
     ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [])
-    assert ranked == [] and decision == RoutingDecision("no_match", {"a": 0, "b": 0})
+    assert ranked == [] and (decision.reason, decision.matched) == ("no_match", {"a": 0, "b": 0})
 
 
 def test_blocks_in_a_nodes_tier_count_weighted_after_the_pools(views: KVViews) -> None:
@@ -87,7 +87,7 @@ def test_blocks_in_a_nodes_tier_count_weighted_after_the_pools(views: KVViews) -
     ranked, decision = router._by_cached_prefix([a, b, c], H)
     # a: 1 + 0.75 x 2; b: 0.75 x 4; c: its tier's run starts past H[0], which nothing holds.
     assert ranked == [[b], [a, c]]
-    assert decision == RoutingDecision("tier_match", {"a": 2.5, "b": 3.0, "c": 0.0})
+    assert (decision.reason, decision.matched) == ("tier_match", {"a": 2.5, "b": 3.0, "c": 0.0})
     views.by_replica["a"] = {H[0], H[1]}
     views.tier_by_replica["a"] = {H[1], H[2], H[3]}
     ranked, decision = router._by_cached_prefix([a, b, c], H)
@@ -169,3 +169,27 @@ def test_a_request_moving_away_is_never_sent_back_to_a_replica_that_failed_it(
     assert told == ["b"]
     sent = pickle.loads(pickle.dumps(request))
     assert sent.failed_replica_ids == set() and sent.on_routed is None
+
+
+def test_a_request_sent_away_from_its_prefix_pulls_it_from_the_holder(views: KVViews) -> None:
+    """Taken by a replica that holds fewer of its leading blocks (pool and node tier together)
+    by at least `pull_min_blocks` than the best pool, a request carries where to pull them."""
+    a, b = _replica("a"), _replica("b")
+    views.by_replica = {"a": set(H), "b": {H[0]}}
+    views.tier_by_replica = {"a": set(), "b": {H[1]}}
+    router = _router({"a": 9, "b": 0}, threshold=4)
+    router.tier_weight = 0.75
+    _, decision = router._by_cached_prefix([a, b], H)
+    assert decision.reason == "load_fallback"
+    assert (decision.pooled, decision.tiered) == ({"a": 4, "b": 1}, {"a": 0, "b": 1})
+    assert decision.pull_for("b", min_blocks=2) == KVPull("a", 4)  # has 2 of 4
+    assert decision.pull_for("b", min_blocks=3) is None
+    assert decision.pull_for("a", min_blocks=1) is None  # the holder itself
+    assert decision.pull_for("b", min_blocks=0) is None  # pulls off
+    assert RoutingDecision("load_only").pull_for("b", min_blocks=1) is None
+    request = GenerateRequest("r", [1], SamplingParams(), routing_hashes=H)
+    pending = SimpleNamespace(args=[request], kwargs={})
+    router.pull_min_blocks = 2
+    engine_router._keep_decision(pending, decision)  # type: ignore[arg-type]
+    router._record_decision(pending, "b")  # type: ignore[arg-type]
+    assert pickle.loads(pickle.dumps(request)).pull_from == KVPull("a", 4)  # it travels

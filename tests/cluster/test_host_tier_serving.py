@@ -5,6 +5,7 @@ its usage says the prompt was cached; /stats shows both replicas reading the one
 from __future__ import annotations
 
 import random
+import time
 from typing import Any, Iterator
 
 import httpx
@@ -88,3 +89,50 @@ def test_a_redeployed_engine_starts_with_what_the_old_one_cached(
     assert texts[0] == texts[1]
     assert cached == [0, 6 * BLOCK], "the second replica loaded the first one's blocks"
     assert "redeployed" not in serve.status().applications
+
+
+def test_a_request_sent_away_from_its_prefix_pulls_the_blocks_from_the_holder(
+    serve_url: str, tiny_llama: str
+) -> None:
+    """Cache-aware, two replicas, nothing in the tier: while the replica that cached a prompt
+    is busier (a long stream shares its prefix), the router sends the prompt to the other one
+    (a load fallback), which pulls the blocks from the holder instead of computing them: the
+    same text, its prompt cached, the holder's pool the source."""
+    rng = random.Random(2028)
+    prompt = [rng.randrange(1, 250) for _ in range(100)]
+    args = {
+        "served_model_name": MODEL,
+        "num_replicas": 2,
+        "routing": "cache-aware",
+        "routing_load_threshold": 0,
+        "routing_pull_min_blocks": 2,
+        "num_kv_blocks": 256,
+        "kv_offloading_size": 0.01,
+    }
+    app = deploy_tiny(serve_url, "pulls", tiny_llama, **args)
+    url = next(app)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        first = complete(client, prompt)  # no match: power of two, which learns both loads
+        holder = max(replicas(url), key=lambda r: r["num_computed_tokens_total"])
+        time.sleep(0.5)  # the holder's KV events reach the ingress
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=prompt + [5] * 20,
+            max_tokens=900,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))  # it runs on the holder (its prefix is there)
+        again = complete(client, prompt)
+        stream.close()
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens == 6 * BLOCK
+        by_id = {r["replica_id"]: r for r in replicas(url)}
+        assert by_id[holder["replica_id"]]["num_kv_exported_blocks"] == 6
+        (other,) = (r for r in by_id.values() if r["replica_id"] != holder["replica_id"])
+        assert other["prompt_tokens_external_kv_transfer"] == 6 * BLOCK
+    finally:
+        with pytest.raises(StopIteration):
+            next(app)
