@@ -68,7 +68,8 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     ranked, decision = _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
     assert ranked == [[a], [b]] and decision.reason == "prefix_match"
     ranked, decision = _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
-    assert ranked == [] and (decision.reason, decision.matched) == ("load_fallback", {"a": 2, "b": 0})
+    assert ranked == []
+    assert (decision.reason, decision.matched) == ("load_fallback", {"a": 2, "b": 0})
     ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]])
     assert ranked == [] and (decision.reason, decision.matched) == ("no_match", {"a": 0, "b": 0})
     # A prompt shorter than a block: no hashes, nothing to find.
