@@ -4,7 +4,9 @@ addressed to one replica (an ingress following that replica's outputs or KV inde
 Cache-aware: a request that carries its routing hashes (the ingress adds them when the engines
 publish their prefix caches, cluster/kv_views.py) goes to the replica holding most of its
 leading blocks, unless that replica's load exceeds the lightest's by `load_threshold` ongoing
-requests (SGLang's router balances the same way); with no match it is power-of-two.
+requests (then the lightest; SGLang's router balances the same way); with no match it is
+power-of-two. A replica's load here is this process's generation calls on it
+(`replica_watch.generating`), as each SGLang router counts its own.
 
 A Serve handle has no way to call one chosen replica; a request router sees each call's
 arguments and can. Serve builds it from the deployment's `request_router_config` in every
@@ -178,7 +180,8 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         self, replicas: list[RunningReplica], hashes: list[bytes]
     ) -> tuple[list[list[RunningReplica]], RoutingDecision]:
         """The replicas holding the longest cached prefix first (then the rest, should those be
-        full); none when nothing matches or the best match is too loaded. A replica's match is
+        full); the least loaded first when the best match is too loaded; none when nothing
+        matches (power of two decides). A replica's match is
         the leading blocks its pool holds, plus those that follow in its node's host tier
         weighted by `tier_weight` (a `tier_match` when no best replica's pool has any)."""
         views = kv_views.KV_VIEWS
@@ -193,12 +196,13 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
             return [], RoutingDecision("no_match", by_id)
         best_pooled = (n for n, m in zip(pooled, matched) if m == best)
         reason = "prefix_match" if any(best_pooled) else "tier_match"
-        # Serve's cached ongoing-request counts; None once stale (10 s): unknown, not idle.
-        load = [self.replica_queue_len_cache.get(r.replica_id) for r in replicas]
-        known = [n for n in load if n is not None]
-        best_known = [n for n, m in zip(load, matched) if m == best and n is not None]
-        if best_known and min(best_known) - min(known) > self.load_threshold:
-            return [], RoutingDecision("load_fallback", by_id, **blocks)
+        # This process's generation calls per replica (see `replica_watch.count_generation`).
+        load = [replica_watch.generating(replica_id) for replica_id in ids]
+        best_load = min(n for n, m in zip(load, matched) if m == best)
+        if best_load - min(load) > self.load_threshold:
+            lightest = [r for r, n in zip(replicas, load) if n == min(load)]
+            rest = [r for r, n in zip(replicas, load) if n > min(load)]
+            return [lightest, rest], RoutingDecision("load_fallback", by_id, **blocks)
         first = [r for r, m in zip(replicas, matched) if m == best]
         ranked = [first, [r for r, m in zip(replicas, matched) if m < best]]
         return ranked, RoutingDecision(reason, by_id, **blocks)

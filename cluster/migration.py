@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pagedray.cluster import replica_watch
 from pagedray.cluster.replica_watch import STALLED_REASON, ReplicaWatch
 from pagedray.engine.request_errors import MIGRATED_FAILURES
 from pagedray.engine.wire import GenerateRequest
@@ -124,6 +125,8 @@ class Placements:
         loop = asyncio.get_running_loop()
 
         def on_routed(replica_id: str) -> None:  # on the router's thread
+            # Counted at once: the router's next choice, maybe before this loop runs, sees it.
+            replica_watch.count_generation(replica_id, 1)
             loop.call_soon_threadsafe(self._place, replica_id)
 
         request.on_routed = on_routed
@@ -138,6 +141,7 @@ class Placements:
         self._attempt_open = False
         for replica_id in self._held:
             self.watch.release(replica_id, self.request_id)
+            replica_watch.count_generation(replica_id, -1)
         self._held = []
 
     def move_of(self, failure: RequestFailure | None) -> Move:
@@ -163,8 +167,9 @@ class Placements:
         return True
 
     def _place(self, replica_id: str) -> None:
-        if not self._attempt_open:
-            return  # its attempt ended while the router's word travelled
+        if not self._attempt_open:  # its attempt ended while the router's word travelled
+            replica_watch.count_generation(replica_id, -1)
+            return
         if self.on_place is not None:
             self.on_place(replica_id)
         self.replica_ids.append(replica_id)

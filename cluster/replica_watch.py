@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import threading
 from typing import Any, Callable
 
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
@@ -39,6 +40,29 @@ UNANSWERED_S = 3.0
 # as the router last saw them.
 UNHEALTHY_REPLICA_IDS: set[str] = set()
 LIVE_REPLICA_IDS: frozenset[str] = frozenset()
+
+
+# This process's generation calls by engine replica, from the router's choice to the end of the
+# call (cluster/migration.py's `Placements`): the load the cache-aware router compares. Serve's
+# own count of a replica's calls also holds this process's subscriptions to it (output channel,
+# KV index), liveness probes and /stats calls, and was measured to keep counting cancelled
+# calls for seconds after they ended: fallbacks came and went with them.
+_GENERATING: dict[str, int] = {}
+_GENERATING_LOCK = threading.Lock()  # the router's thread adds, the event loop removes
+
+
+def count_generation(replica_id: str, change: int) -> None:
+    with _GENERATING_LOCK:
+        count = _GENERATING.get(replica_id, 0) + change
+        if count > 0:
+            _GENERATING[replica_id] = count
+        else:
+            _GENERATING.pop(replica_id, None)
+
+
+def generating(replica_id: str) -> int:
+    """This process's generation calls on `replica_id` now."""
+    return _GENERATING.get(replica_id, 0)
 
 
 def set_live_replicas(replica_ids: frozenset[str]) -> None:

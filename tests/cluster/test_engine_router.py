@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pagedray.cluster import engine_router, kv_views
+from pagedray.cluster import engine_router, kv_views, replica_watch
 from pagedray.cluster.engine_router import (
     EngineRequestRouter,
     RoutingDecision,
@@ -26,13 +26,6 @@ def _replica(unique_id: str) -> Any:
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=unique_id))
 
 
-class QueueLengths(dict):
-    """Stands in for Serve's queue-length cache: ongoing requests per replica id."""
-
-    def get(self, replica_id: Any) -> int | None:  # type: ignore[override]
-        return super().get(replica_id.unique_id)
-
-
 @pytest.fixture
 def views(monkeypatch: pytest.MonkeyPatch) -> KVViews:
     views = KVViews()
@@ -40,9 +33,17 @@ def views(monkeypatch: pytest.MonkeyPatch) -> KVViews:
     return views
 
 
+@pytest.fixture(autouse=True)
+def generating(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """This process's generation calls by replica (`replica_watch.generating`), for the test."""
+    counts: dict[str, int] = {}
+    monkeypatch.setattr(replica_watch, "_GENERATING", counts)
+    return counts
+
+
 def _router(load: dict[str, int], threshold: int = 4) -> EngineRequestRouter:
     router = EngineRequestRouter.__new__(EngineRequestRouter)  # no Serve: only the ranking
-    router._replica_queue_len_cache = QueueLengths(load)
+    replica_watch._GENERATING.update(load)
     router.load_threshold = threshold
     return router
 
@@ -68,7 +69,7 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     ranked, decision = _router({"a": 4, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
     assert ranked == [[a], [b]] and decision.reason == "prefix_match"
     ranked, decision = _router({"a": 5, "b": 0}, threshold=4)._by_cached_prefix([a, b], H)
-    assert ranked == []
+    assert ranked == [[b], [a]]  # the lightest first
     assert (decision.reason, decision.matched) == ("load_fallback", {"a": 2, "b": 0})
     ranked, decision = _router({"a": 0, "b": 0})._by_cached_prefix([a, b], [H[3]])
     assert ranked == [] and (decision.reason, decision.matched) == ("no_match", {"a": 0, "b": 0})
@@ -102,12 +103,35 @@ def test_blocks_in_a_nodes_tier_count_weighted_after_the_pools(views: KVViews) -
     )
 
 
-def test_an_unknown_load_is_not_taken_for_idle(views: KVViews) -> None:
-    """Serve forgets a count after 10 s: neither side of the comparison may read it as 0."""
+def test_the_load_is_the_generation_calls_routed_and_not_ended(views: KVViews) -> None:
+    """A call counts on its replica from the router's choice (before the event loop hears of
+    it) to the end of its attempt; a choice that reaches the loop after the attempt ended is
+    not left counted; a replica's other calls (subscriptions, probes) never count."""
+    import asyncio
+
+    from pagedray.cluster.migration import Placements
+
+    watch = SimpleNamespace(hold=lambda *_: None, release=lambda *_: None)
+
+    async def attempts() -> None:
+        request = GenerateRequest("r", [1], SamplingParams())
+        placements = Placements(request, watch, lambda _: None)  # type: ignore[arg-type]
+        assert request.on_routed is not None
+        placements.start_attempt()
+        request.on_routed("a")  # the router's thread
+        assert replica_watch.generating("a") == 1
+        await asyncio.sleep(0)
+        placements.end_attempt()
+        assert replica_watch.generating("a") == 0
+        request.on_routed("b")  # routed as the attempt ended
+        assert replica_watch.generating("b") == 1
+        await asyncio.sleep(0)
+        assert replica_watch.generating("b") == 0
+
+    asyncio.run(attempts())
     a, b = _replica("a"), _replica("b")
     views.by_replica = {"a": {H[0]}, "b": set()}
-    assert _router({"b": 9}, threshold=4)._by_cached_prefix([a, b], H)[0] == [[a], [b]]
-    assert _router({"a": 9}, threshold=4)._by_cached_prefix([a, b], H)[0] == [[a], [b]]
+    assert _router({"a": 9}, threshold=4)._by_cached_prefix([a, b], H)[0] == [[b], [a]]
 
 
 def test_the_decision_is_told_for_the_replica_that_took_the_call() -> None:
