@@ -83,7 +83,7 @@ async def first_token(client: httpx.AsyncClient, prompt: list[int]) -> Any:
 async def load_request(client: httpx.AsyncClient, prompt: list[int]) -> None:
     """A long request on the holder. Not streamed: a streamed one opens the
     replica's output channel, a call Serve counts as one more ongoing request there."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True,
             "temperature": 0.0}  # fmt: skip
     await client.post("/v1/completions", json=body)
 

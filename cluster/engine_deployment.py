@@ -129,6 +129,8 @@ class EngineDeployment:
         request_id, channel_id = request.request_id, request.channel_id
         if channel_id is None and request.stream_interval is not None:  # a caller's bug
             return error_output(request_id, RuntimeError("a streamed request needs a channel"))
+        if request.pull_from is not None:  # before its channel opens: the caller may go
+            await self._pull(request, request.pull_from)
         channel = self.channels.open(channel_id) if channel_id is not None else None
         ended: asyncio.Future[RequestStepOutput] = asyncio.get_running_loop().create_future()
 
@@ -148,8 +150,6 @@ class EngineDeployment:
                     RequestStepOutput(request_id, finished=True, replica_id=self.replica_id)
                 )
 
-        if request.pull_from is not None:
-            await self._pull(request, request.pull_from)
         try:
             self._add_request(request, sink)
         except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
@@ -178,18 +178,20 @@ class EngineDeployment:
         prompt = request.prompt_token_ids
         hashes = compute_block_hashes(prompt, block_size, request.cache_salt, [])
         hashes = hashes[: pull.num_blocks]
-        if self._engines is None:
-            context = serve.get_replica_context()
-            self._engines = serve.get_deployment_handle(
-                context.deployment, context.app_name
-            ).options(stream=False)
-        call = self._engines.export_kv.remote(
-            hashes, self.tier_address, **{REPLICA_ID_KWARG: pull.replica_id}
-        )
+        call: Any = None
         try:
+            if self._engines is None:
+                context = serve.get_replica_context()
+                self._engines = serve.get_deployment_handle(
+                    context.deployment, context.app_name
+                ).options(stream=False)
+            call = self._engines.export_kv.remote(
+                hashes, self.tier_address, **{REPLICA_ID_KWARG: pull.replica_id}
+            )
             export = await asyncio.wait_for(call, PULL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a timeout, a holder gone: compute them
-            call.cancel()
+            if call is not None:
+                call.cancel()
             holder = pull.replica_id
             logger.info("pulling %d KV blocks from %s failed: %r", len(hashes), holder, exc)
             return
