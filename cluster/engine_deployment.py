@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pagedray.cluster.engine_autoscaling import report as autoscaling_report
 from pagedray.cluster.engine_router import (
+    DEFAULT_DISK_WEIGHT,
     DEFAULT_LOAD_THRESHOLD,
     DEFAULT_PULL_MIN_BLOCKS,
     DEFAULT_TIER_WEIGHT,
@@ -335,6 +336,7 @@ def engine_deployment_options(
     health_check_period_s: float = DEFAULT_HEALTH_CHECK_PERIOD_S,
     routing_load_threshold: int = DEFAULT_LOAD_THRESHOLD,
     routing_tier_weight: float = DEFAULT_TIER_WEIGHT,
+    routing_disk_weight: float = DEFAULT_DISK_WEIGHT,
     routing_pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS,
 ) -> dict[str, Any]:
     """Serve options for one engine per replica, each with its own STRICT_PACK group, routed by
@@ -358,6 +360,7 @@ def engine_deployment_options(
             request_router_kwargs={
                 "load_threshold": routing_load_threshold,
                 "tier_weight": routing_tier_weight,
+                "disk_weight": routing_disk_weight,
                 "pull_min_blocks": routing_pull_min_blocks,
                 "model_name": config.served_name(),
             },

@@ -51,6 +51,8 @@ DEFAULT_PULL_MIN_BLOCKS = 32
 # What a block in a replica's node's host KV tier counts for against one in its pool: it is
 # loaded rather than computed, but loaded (Dynamo's router weighs a host-tier block so).
 DEFAULT_TIER_WEIGHT = 0.75
+# And one in its node's disk tier (Dynamo's disk weight): read from a file, slower still.
+DEFAULT_DISK_WEIGHT = 0.25
 
 
 # The reasons of a call sent where its prefix is: its pool's blocks, or only its node's tier's.
@@ -65,7 +67,7 @@ class RoutingDecision:
     reason: str  # a `RouterMetrics` reason
     matched: dict[str, float] | None = None  # pool blocks + the tier's, weighted
     pooled: dict[str, int] | None = None  # leading blocks in each replica's pool
-    tiered: dict[str, int] | None = None  # then in its node's tier
+    tiered: dict[str, int] | None = None  # then in its node's tiers (host, then disk)
 
     def for_replica(self, replica_id: str) -> tuple[str, float | None]:
         """The reason and matched blocks (weighted) for the replica that took the call: a
@@ -103,6 +105,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
     _live_replica_ids: frozenset[str] = frozenset()
     load_threshold: int = DEFAULT_LOAD_THRESHOLD
     tier_weight: float = DEFAULT_TIER_WEIGHT
+    disk_weight: float = DEFAULT_DISK_WEIGHT
     pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS
     metrics: RouterMetrics | None = None
 
@@ -111,6 +114,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         load_threshold: int = DEFAULT_LOAD_THRESHOLD,
         model_name: str | None = None,
         tier_weight: float = DEFAULT_TIER_WEIGHT,
+        disk_weight: float = DEFAULT_DISK_WEIGHT,
         pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS,
         **kwargs: Any,
     ) -> None:
@@ -119,6 +123,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         super().initialize_state(**kwargs)
         self.load_threshold = load_threshold
         self.tier_weight = tier_weight
+        self.disk_weight = disk_weight
         self.pull_min_blocks = pull_min_blocks
         self.metrics = RouterMetrics(model_name) if model_name is not None else None
 
@@ -183,13 +188,22 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         full); the least loaded first when the best match is too loaded; none when nothing
         matches (power of two decides). A replica's match is
         the leading blocks its pool holds, plus those that follow in its node's host tier
-        weighted by `tier_weight` (a `tier_match` when no best replica's pool has any)."""
+        weighted by `tier_weight`, then in its disk tier by `disk_weight` (a `tier_match` when
+        no best replica's pool has any)."""
         views = kv_views.KV_VIEWS
         ids = [r.replica_id.unique_id for r in replicas]
         pooled = [views.matched_blocks(replica_id, hashes) for replica_id in ids]
-        tiered = [views.tier_blocks(replica_id, hashes, n) for replica_id, n in zip(ids, pooled)]
-        matched = [n + self.tier_weight * t for n, t in zip(pooled, tiered)]
+        hosted = [views.tier_blocks(replica_id, hashes, n) for replica_id, n in zip(ids, pooled)]
+        on_disk = [
+            views.disk_blocks(replica_id, hashes, n + h)
+            for replica_id, n, h in zip(ids, pooled, hosted)
+        ]
+        matched = [
+            n + self.tier_weight * h + self.disk_weight * d
+            for n, h, d in zip(pooled, hosted, on_disk)
+        ]
         by_id = dict(zip(ids, matched))
+        tiered = [h + d for h, d in zip(hosted, on_disk)]
         blocks = {"pooled": dict(zip(ids, pooled)), "tiered": dict(zip(ids, tiered))}
         best = max(matched, default=0)
         if best == 0:

@@ -34,6 +34,7 @@ class KVViews:
         self.by_replica: dict[str, set[bytes]] = {}
         # What each replica's node's host KV tier holds, as that replica last published it.
         self.tier_by_replica: dict[str, set[bytes]] = {}
+        self.disk_by_replica: dict[str, set[bytes]] = {}  # and its disk tier
         self.live_replica_ids: frozenset[str] = frozenset()  # the router's, as it last saw
         self._engine: Any = None
         self._block_size = 0
@@ -73,6 +74,7 @@ class KVViews:
                 self._tasks.pop(replica_id).cancel()
                 self.by_replica.pop(replica_id, None)
                 self.tier_by_replica.pop(replica_id, None)
+                self.disk_by_replica.pop(replica_id, None)
         for replica_id in live:
             task = self._tasks.get(replica_id)
             if task is None or task.done():
@@ -89,6 +91,10 @@ class KVViews:
         holds in its host tier: blocks the replica would load rather than compute."""
         return _leading_run(self.tier_by_replica.get(replica_id), hashes[start:])
 
+    def disk_blocks(self, replica_id: str, hashes: list[bytes], start: int) -> int:
+        """Likewise in its node's disk tier, from `start` on (past the pool's and host tier's)."""
+        return _leading_run(self.disk_by_replica.get(replica_id), hashes[start:])
+
     async def _follow(self, replica_id: str) -> None:
         """Keep `replica_id`'s view until its stream ends: idle (the engine ends it; the view
         stays right, nothing changed, and the next request follows again) or broken (the view
@@ -96,6 +102,7 @@ class KVViews:
         while replica_id in self.live_replica_ids:
             view: set[bytes] = set()
             tier_view: set[bytes] = set()
+            disk_view: set[bytes] = set()
             stream = None
             try:
                 streaming = self._engine.options(stream=True)
@@ -106,6 +113,9 @@ class KVViews:
                     if delta.tier is not None:
                         tier_view = _applied(delta.tier, tier_view)
                         self.tier_by_replica[replica_id] = tier_view
+                        if delta.tier.tier is not None:
+                            disk_view = _applied(delta.tier.tier, disk_view)
+                            self.disk_by_replica[replica_id] = disk_view
                 return
             except asyncio.CancelledError:
                 if stream is not None:
@@ -117,6 +127,7 @@ class KVViews:
                 logger.info("KV view of engine replica %s broke: %r", replica_id, exc)
             self.by_replica.pop(replica_id, None)
             self.tier_by_replica.pop(replica_id, None)
+            self.disk_by_replica.pop(replica_id, None)
             await asyncio.sleep(RESUBSCRIBE_AFTER_S)
 
 

@@ -54,6 +54,8 @@ def build_openai_app(
         options["routing_load_threshold"] = server.routing_load_threshold
     if server.routing_tier_weight is not None:
         options["routing_tier_weight"] = server.routing_tier_weight
+    if server.routing_disk_weight is not None:
+        options["routing_disk_weight"] = server.routing_disk_weight
     if server.routing_pull_min_blocks is not None:
         options["routing_pull_min_blocks"] = server.routing_pull_min_blocks
     engine_kwargs: dict[str, Any] = {"engine_builder": engine_builder}

@@ -56,6 +56,12 @@ class ServerConfig(EngineConfig):
         description="cache-aware: what a prompt block in an engine's node host KV tier counts "
         "for against one in its pool (default 0.75; 0: pools only)",
     )
+    routing_disk_weight: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="cache-aware: likewise a block in its node's disk KV tier (default 0.25)",
+    )
     routing_pull_min_blocks: int | None = Field(
         None,
         ge=0,

@@ -15,6 +15,7 @@ map and catches up from the ring log, so a lookup costs what changed since its l
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -279,7 +280,10 @@ class HostKVTier:
 
     def record_events(self) -> None:
         """From now on keep the blocks the tier gains and loses (`take_events`), starting
-        from a snapshot: an engine publishes them to cache-aware routers beside its pool's."""
+        from a snapshot: an engine publishes them to cache-aware routers beside its pool's
+        (and the tier's below, nested: `take_events`)."""
+        if self.lower is not None:
+            self.lower.record_events()
         if self.events is None:
             self.events = KVEventRecorder(self.num_slots)
             self.events.cleared()
@@ -288,12 +292,15 @@ class HostKVTier:
 
     def take_events(self) -> KVCacheDelta:
         """The tier's changes since last asked (by any engine of the node), as this process
-        catches up with them; `record_events` first."""
+        catches up with them, with the tier's below as its `tier`; `record_events` first."""
         assert self.events is not None, "record_events first"
         with self._locked():
             self._catch_up()
         # A generator: read only by a recorder that overflowed (a snapshot), not every step.
-        return self.events.take(self._valid_hashes())
+        delta = self.events.take(self._valid_hashes())
+        if self.lower is None:
+            return delta
+        return dataclasses.replace(delta, tier=self.lower.take_events())
 
     def _valid_hashes(self) -> Iterator[BlockHash]:
         return (self._slot_hash[slot] for slot in self._valid)

@@ -22,9 +22,10 @@ class KVCacheDelta:
     stored: list[BlockHash] = field(default_factory=list)  # became hittable, first stored first
     removed: list[BlockHash] = field(default_factory=list)  # stopped being hittable
     cleared: bool = False  # the set was emptied before `removed` and `stored`
-    # The node's host KV tier's own delta, as this engine's mirror of it saw it change (the
-    # tier's blocks are the node's, whichever engine saved them); None: no tier, or none
-    # recorded. `apply` leaves it to the caller, who keeps that set apart.
+    # The tier below's own delta (below a pool, the node's host KV tier; below that, its disk
+    # tier), as this engine's mirror of it saw it change (a tier's blocks are the node's,
+    # whichever engine saved them); None: no tier, or none recorded. `apply` leaves it to the
+    # caller, who keeps that set apart.
     tier: KVCacheDelta | None = None
 
     def apply(self, hashes: set[BlockHash]) -> None:

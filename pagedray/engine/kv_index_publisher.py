@@ -33,6 +33,7 @@ class KVIndexPublisher:
     def __init__(self) -> None:
         self.hashes: set[bytes] = set()  # routing hashes, as of the last delta published
         self.tier_hashes: set[bytes] = set()  # the node's host tier's, as this engine saw them
+        self.disk_hashes: set[bytes] = set()  # and its disk tier's
         self._subscribers: set[asyncio.Queue[KVCacheDelta]] = set()
 
     def listener(self, loop: asyncio.AbstractEventLoop) -> Callable[[KVCacheDelta], None]:
@@ -51,6 +52,8 @@ class KVIndexPublisher:
         cut.apply(self.hashes)
         if cut.tier is not None:
             cut.tier.apply(self.tier_hashes)
+            if cut.tier.tier is not None:
+                cut.tier.tier.apply(self.disk_hashes)
         for queue in self._subscribers:
             if queue.qsize() >= MAX_QUEUED_DELTAS:  # a slow reader: one snapshot replaces all
                 while not queue.empty():
@@ -60,7 +63,8 @@ class KVIndexPublisher:
                 queue.put_nowait(cut)
 
     def snapshot(self) -> KVCacheDelta:
-        tier = KVCacheDelta(stored=list(self.tier_hashes), cleared=True)
+        disk = KVCacheDelta(stored=list(self.disk_hashes), cleared=True)
+        tier = KVCacheDelta(stored=list(self.tier_hashes), cleared=True, tier=disk)
         return KVCacheDelta(stored=list(self.hashes), cleared=True, tier=tier)
 
     async def subscribe(self, idle_end_s: float = IDLE_END_S) -> AsyncIterator[KVCacheDelta]:

@@ -218,3 +218,20 @@ def test_a_request_sent_away_from_its_prefix_pulls_it_from_the_holder(views: KVV
     engine_router._keep_decision(pending, decision)  # type: ignore[arg-type]
     router._record_decision(pending, "b")  # type: ignore[arg-type]
     assert pickle.loads(pickle.dumps(request)).pull_from == KVPull("a", 4)  # it travels
+
+
+def test_blocks_on_a_nodes_disk_count_after_its_host_tiers_at_their_weight(
+    views: KVViews,
+) -> None:
+    a, b = _replica("a"), _replica("b")
+    views.by_replica = {"a": {H[0]}, "b": set()}
+    views.tier_by_replica = {"a": {H[1]}, "b": set()}
+    views.disk_by_replica = {"a": {H[2], H[3]}, "b": set(H)}
+    router = _router({"a": 0, "b": 0})
+    router.tier_weight, router.disk_weight = 0.75, 0.25
+    ranked, decision = router._by_cached_prefix([a, b], H)
+    # a: 1 + 0.75 + 0.25 x 2 = 2.25; b: its disk holds every block, 0.25 x 4 = 1.0.
+    assert ranked == [[a], [b]] and decision.matched == {"a": 2.25, "b": 1.0}
+    assert decision.tiered == {"a": 3, "b": 4}
+    router.disk_weight = 0.0
+    assert router._by_cached_prefix([a, b], H)[1].matched == {"a": 1.75, "b": 0.0}

@@ -116,6 +116,9 @@ def test_a_packed_delta_unpacks_to_itself() -> None:
     assert unpack_delta(pack_delta(KVCacheDelta())) == KVCacheDelta()
     with_tier = KVCacheDelta([b"a" * 8], tier=KVCacheDelta([b"d" * 8], [b"e" * 8], True))
     assert unpack_delta(pack_delta(with_tier)) == with_tier
+    disk = KVCacheDelta([b"f" * 8], cleared=True)
+    with_disk = KVCacheDelta(tier=KVCacheDelta([b"d" * 8], tier=disk))
+    assert unpack_delta(pack_delta(with_disk)) == with_disk
 
 
 def test_an_idle_engine_publishes_what_its_node_tier_gained(tiny_llama: str) -> None:
@@ -142,3 +145,35 @@ def test_an_idle_engine_publishes_what_its_node_tier_gained(tiny_llama: str) -> 
     assert core.num_steps == 0
     core.publish_kv_delta()
     assert len(deltas) == 2, "nothing changed: nothing published"
+
+
+def test_an_engine_with_a_disk_tier_publishes_it_below_its_host_tiers(
+    tiny_llama: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `--kv-disk-dir`, the disk tier's blocks reach the routers nested in the host
+    tier's delta, and the publisher's snapshot for a new subscriber carries them."""
+    from pagedray.scheduler.host_kv_tier import HostKVTier
+    from pagedray.workers.host_kv_buffer import TIER_DIR_ENV
+
+    monkeypatch.setenv(TIER_DIR_ENV, str(tmp_path / "shm"))
+    config = EngineConfig(
+        model=tiny_llama,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        num_threads=1,
+        enable_kv_cache_events=True,
+        kv_disk_dir=str(tmp_path / "disk"),
+    )
+    core = build_engine(config)[0]
+    tier = core.scheduler.kv_cache_manager.host_tier
+    assert tier is not None and tier.lower is not None
+    publisher = kv_index_publisher.KVIndexPublisher()
+    core.kv_delta_listener = publisher.publish
+    core.publish_kv_delta()
+    other = HostKVTier(tier.lower.path, name="disk")  # a block another engine left on disk
+    block = bytes(range(32))
+    other.publish([slot for _, slot in other.reserve([block])])
+    core.publish_kv_delta()
+    assert publisher.disk_hashes == {kv_index_publisher.routing_hash(block)}
+    snapshot = publisher.snapshot()
+    assert snapshot.tier is not None and snapshot.tier.tier is not None
+    assert snapshot.tier.tier.stored == [kv_index_publisher.routing_hash(block)]

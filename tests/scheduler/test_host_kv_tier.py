@@ -196,6 +196,23 @@ def test_a_block_the_host_tier_drops_goes_down_to_the_disk_tier(tmp_path: Path) 
     assert stats["disk_tier_saved_blocks"] == 1, "a block moved down counts as the disk's save"
 
 
+def test_the_disk_tiers_events_come_nested_in_the_host_tiers(tmp_path: Path) -> None:
+    """A router weighs a block on disk apart from one in host memory: the host tier's delta
+    carries the disk tier's as its own `tier`, a snapshot first, then what moved down."""
+    disk_path = str(tmp_path / "disk")
+    create_or_open(disk_path, 8, SLOT_BYTES)
+    host = HostKVTier(tier_file(tmp_path, 2), lower=HostKVTier(disk_path, name="disk"))
+    host.record_events()
+    first = host.take_events()
+    assert first.cleared and first.tier is not None and first.tier.cleared
+    save(host, [block_hash(0), block_hash(1)])
+    save(host, [block_hash(2)])  # block 0 goes down to the disk
+    delta = host.take_events()
+    assert delta.stored == [block_hash(1), block_hash(2)] and delta.removed == [block_hash(0)]
+    assert delta.tier is not None and delta.tier.stored == [block_hash(0)]
+    assert not host.take_events()
+
+
 def test_a_write_whose_writer_died_does_not_block_the_block_for_good(tmp_path: Path) -> None:
     path = tier_file(tmp_path, 4)
     dead, alive = HostKVTier(path), HostKVTier(path)
