@@ -272,8 +272,9 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "Routing decisions",
         "reqps",
         "Why calls went where they did: prefix_match (the replica caching most of the prompt), "
-        "load_fallback (the best match too loaded), no_match (nothing cached anywhere), "
-        "load_only (nothing to match: one engine or power-of-two routing).",
+        "tier_match (only its node's host or disk tier holds it), load_fallback (the best "
+        "match too loaded: the prefix is pulled from it when it holds enough more), no_match "
+        "(nothing cached anywhere), load_only (nothing to match: one engine or power-of-two).",
         [
             (
                 f"sum by (model_name, reason) ({_rate('ray_pagedray_routed_requests_total')})",

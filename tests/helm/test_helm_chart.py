@@ -408,6 +408,17 @@ def test_routing_reaches_the_app_only_when_set(chart: helm.Chart) -> None:
         render(chart, _merge(TP4_X2, {"engine": {"routing": "random"}}))
 
 
+def test_tier_weights_and_pulls_reach_the_app_only_when_set(chart: helm.Chart) -> None:
+    default_args = _serve_application(_rayservice(render(chart, TP4_X2))).args
+    names = ("routing_tier_weight", "routing_disk_weight", "routing_pull_min_blocks")
+    assert not set(names) & set(default_args)
+    engine = {"routingTierWeight": 0.5, "routingDiskWeight": 0, "routingPullMinBlocks": 8}
+    args = _serve_application(_rayservice(render(chart, _merge(TP4_X2, {"engine": engine})))).args
+    assert [args[name] for name in names] == [0.5, 0, 8]
+    with pytest.raises(helm.HelmError, match="routingTierWeight"):
+        render(chart, _merge(TP4_X2, {"engine": {"routingTierWeight": 2}}))
+
+
 def test_routing_load_threshold_reaches_the_app_only_when_set(chart: helm.Chart) -> None:
     default_args = _serve_application(_rayservice(render(chart, TP4_X2))).args
     assert "routing_load_threshold" not in default_args

@@ -91,6 +91,15 @@ app.kubernetes.io/part-of: pagedray
 {{- if not (kindIs "invalid" $e.routingLoadThreshold) -}}
 {{- $_ := set $args "routing_load_threshold" (int $e.routingLoadThreshold) -}}
 {{- end -}}
+{{- if not (kindIs "invalid" $e.routingTierWeight) -}}
+{{- $_ := set $args "routing_tier_weight" (float64 $e.routingTierWeight) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $e.routingDiskWeight) -}}
+{{- $_ := set $args "routing_disk_weight" (float64 $e.routingDiskWeight) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $e.routingPullMinBlocks) -}}
+{{- $_ := set $args "routing_pull_min_blocks" (int $e.routingPullMinBlocks) -}}
+{{- end -}}
 {{- if $e.toolCallParser -}}
 {{- $_ := set $args "tool_call_parser" $e.toolCallParser -}}
 {{- end -}}
