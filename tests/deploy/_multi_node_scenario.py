@@ -40,17 +40,18 @@ KV_BLOCKS = 128
 TIMEOUT_S = 120.0
 
 
-def run_scenario(model: str, timeout_s: float) -> dict[str, Any]:
-    """The scenario in a process of its own (it cannot share a Ray with its caller), serving
-    `model`: its report. Every process it started is gone afterwards; an AssertionError with
-    the output's end says why when no report came or a process outlived it."""
+def run_scenario(model: str, timeout_s: float, script: str = __file__) -> dict[str, Any]:
+    """The scenario (`script`'s `main`, this one's by default) in a process of its own (it
+    cannot share a Ray with its caller), serving `model`: its report. Every process it started
+    is gone afterwards; an AssertionError with the output's end says why when no report came
+    or a process outlived it."""
     workdir = Path(tempfile.mkdtemp(prefix="pdr-mn-", dir="/tmp"))
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=str(workdir), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     log_path = workdir / "scenario.log"
     started: set[tuple[int, int]] = set()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, __file__, model], env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, script, model], env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
