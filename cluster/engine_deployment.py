@@ -170,15 +170,16 @@ class EngineDeployment:
 
     async def _pull(self, request: GenerateRequest, pull: KVPull) -> None:
         """Before admitting `request`, have the replica holding its prefix put the blocks this
-        one would compute into its node's tier (with their bytes if that tier is not this
-        one's): admission then loads them (scheduler/kv_transfer.py). Best effort: a holder
-        that is gone, fails or takes over `PULL_TIMEOUT_S` leaves them to be computed."""
+        one lacks (from `pull.first_block` on) into its node's tier, with their bytes if that
+        tier is not this one's: admission then loads them (scheduler/kv_transfer.py). Best
+        effort: a holder that is gone, fails or takes over `PULL_TIMEOUT_S` leaves them to be
+        computed."""
         if self.tier_address is None or pull.replica_id == self.replica_id:
             return
         block_size = self.engine.core.scheduler.config.block_size
         prompt = request.prompt_token_ids
         hashes = compute_block_hashes(prompt, block_size, request.cache_salt, [])
-        hashes = hashes[: pull.num_blocks]
+        hashes = hashes[pull.first_block : pull.num_blocks]
         call: Any = None
         try:
             if self._engines is None:

@@ -10,7 +10,8 @@ power-of-two. A replica's load here is this process's generation calls on it
 
 A Serve handle has no way to call one chosen replica; a request router sees each call's
 arguments and can. Serve builds it from the deployment's `request_router_config` in every
-process that holds a handle to the engines (the ingress replicas).
+process that holds a handle to the engines (the ingress replicas, and an engine replica that
+pulls blocks from another, cluster/engine_deployment.py).
 
 NOTE: a routing task's replica goes to the oldest call waiting, as in Serve's own router: the
 calls one HTTP request makes (a batch of prompts, a subscription) share Serve's internal request
@@ -41,7 +42,8 @@ from pagedray.cluster.metrics import RouterMetrics
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.engine.wire import GenerateRequest, KVPull
 
-# Ongoing requests by which the best-matching replica may exceed the lightest and still be chosen.
+# Ongoing requests (this process's on each) by which the best-matching replica may exceed the
+# lightest and still be chosen.
 DEFAULT_LOAD_THRESHOLD = 32
 # Leading blocks by which a replica's pool must out-hold the one a request went to (load) for
 # that one to pull them from it (scheduler/kv_transfer.py) rather than compute them: a pull
@@ -91,7 +93,7 @@ class RoutingDecision:
         have = self.pooled.get(replica_id, 0) + self.tiered.get(replica_id, 0)
         if holder == replica_id or held - have < min_blocks:
             return None
-        return KVPull(holder, held)
+        return KVPull(holder, held, have)
 
 
 class EngineRequestRouter(LocalityMixin, RequestRouter):
@@ -270,6 +272,8 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         if request.on_routed is not None:
             request.on_routed(replica_id)
         decision, request.routing_decision = request.routing_decision, None
+        # Set on every routing: a call sent again must not pull from where it failed before.
+        request.pull_from = None
         if isinstance(decision, RoutingDecision):
             request.pull_from = decision.pull_for(replica_id, self.pull_min_blocks)
         if decision is not None and self.metrics is not None:

@@ -387,7 +387,8 @@ class RouterMetrics:
         self.routing_matched_blocks = Histogram(
             "pagedray_routing_matched_blocks",
             "Leading KV blocks of a routed prompt that its replica caches (the router's view; "
-            "those in its node's host tier count --routing-tier-weight each).",
+            "those in its node's host tier count --routing-tier-weight each, on its disk "
+            "--routing-disk-weight).",
             MATCHED_BLOCKS_BUCKETS,
             TAG_KEYS,
         ).set_default_tags(tags)

@@ -127,7 +127,10 @@ class Placements:
         def on_routed(replica_id: str) -> None:  # on the router's thread
             # Counted at once: the router's next choice, maybe before this loop runs, sees it.
             replica_watch.count_generation(replica_id, 1)
-            loop.call_soon_threadsafe(self._place, replica_id)
+            try:
+                loop.call_soon_threadsafe(self._place, replica_id)
+            except RuntimeError:  # the loop closed: the ingress is going away
+                replica_watch.count_generation(replica_id, -1)
 
         request.on_routed = on_routed
 
@@ -170,10 +173,10 @@ class Placements:
         if not self._attempt_open:  # its attempt ended while the router's word travelled
             replica_watch.count_generation(replica_id, -1)
             return
+        self._held.append(replica_id)  # first: released at the attempt's end whatever follows
         if self.on_place is not None:
             self.on_place(replica_id)
         self.replica_ids.append(replica_id)
-        self._held.append(replica_id)
         self.watch.hold(replica_id, self.request_id, functools.partial(self._abandon, replica_id))
         self.routed.set()
 

@@ -46,8 +46,8 @@ class ServerConfig(EngineConfig):
     routing_load_threshold: int | None = Field(
         None,
         ge=0,
-        description="cache-aware: ongoing requests by which the best-matching engine may exceed "
-        "the least loaded and still be chosen (default 32)",
+        description="cache-aware: ongoing requests (each ingress replica's own) by which the "
+        "best-matching engine may exceed the least loaded and still be chosen (default 32)",
     )
     routing_tier_weight: float | None = Field(
         None,

@@ -309,12 +309,20 @@ class HostKVTier:
         """A published slot's bytes, for an engine on another node (scheduler/kv_transfer.py);
         the caller holds its lease (`lookup`)."""
         offset = self.layout.data_offset + slot * self.layout.slot_bytes
-        return os.pread(self._fd, self.layout.slot_bytes, offset)
+        data = os.pread(self._fd, self.layout.slot_bytes, offset)
+        if len(data) != self.layout.slot_bytes:
+            raise OSError(f"{self.path}: slot {slot} is short ({len(data)} bytes)")
+        return data
 
     def write_slot(self, slot: int, data: bytes) -> None:
         """Fill a reserved slot with a block from another node's tier, as a rank would."""
-        assert len(data) == self.layout.slot_bytes, "a block of another layout"
-        os.pwrite(self._fd, data, self.layout.data_offset + slot * self.layout.slot_bytes)
+        if len(data) != self.layout.slot_bytes:
+            raise ValueError(f"a block of {len(data)} bytes for slots of {self.layout.slot_bytes}")
+        offset = self.layout.data_offset + slot * self.layout.slot_bytes
+        view = memoryview(data)
+        while view:  # a write to a file may be short
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
 
     def close(self) -> None:
         for view in ("_header", "_log", "_records"):

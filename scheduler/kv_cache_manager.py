@@ -236,7 +236,8 @@ class KVCacheManager:
 
     def offer_for_saving(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
         """Hand these cached blocks to the next plan's saves as if evicted (the tier skips
-        those it has): the engine is going away, and what its pool held stays on the node."""
+        those it has): the engine is going away, and what its pool held stays on the node; or
+        another engine pulls them (scheduler/kv_transfer.py)."""
         assert self.block_pool.evicted is not None, "no host tier"
         self.block_pool.evicted.extend(blocks)
 

@@ -78,4 +78,7 @@ def import_into_tier(tier: HostKVTier, export: KVExport) -> int:
         tier.release(slots)
         raise
     tier.publish(slots)
+    # Leased for the load at admission, a moment later: the node's other engines' saves must
+    # not take the slots first (a same-node pull's blocks hold the holder's lookup's lease).
+    tier.lookup(export.block_hashes)
     return len(slots)

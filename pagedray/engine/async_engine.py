@@ -160,8 +160,9 @@ class AsyncEngine:
 
     def give_kv(self, export: KVExport) -> None:
         """Blocks another node's engine exported: into this node's tier before the requests
-        added after this call are admitted."""
-        self.handoffs.give(export)
+        added after this call are admitted (a dead engine drops them)."""
+        if self._error is None and not (self._task is not None and self._task.done()):
+            self.handoffs.give(export)
 
     def abort(self, request_id: str) -> None:
         """Abort a request: blocks freed before the next step, its stream failed (for a sink)."""

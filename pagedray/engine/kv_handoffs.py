@@ -2,11 +2,12 @@
 and blocks it was given, applied by its event loop between runs of steps.
 
 An export takes two turns of the loop: first the asked blocks that its pool caches are handed
-to the next plan's saves (`offer`), then, once a step has run and published them in the node's
+to the next plan's saves (`apply`), then, once a step has run and published them in the node's
 tier, the answer is read from the tier (`answer`). Meanwhile the run of steps in flight ends
 at its next step (`waiting`), so that a loaded holder answers within one step. An import is
 written into the tier before the requests queued with it are admitted, so their prefix lookup
-finds it.
+finds it. A hand-off that fails is its puller's loss (it computes the blocks), never the
+engine's.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class KVHandoffs:
         return answer
 
     def give(self, export: KVExport) -> None:
-        """Blocks from another node's engine, for the requests added after this call."""
+        """Blocks from another node's engine, for the requests added after this call (the
+        engine's loop writes them; a dead engine's are dropped by `fail_all`)."""
         if export.payloads and self.core.scheduler.kv_cache_manager.host_tier is not None:
             self._imports.append(export)
 
@@ -73,8 +75,8 @@ class KVHandoffs:
         return bool(self._saving)
 
     def apply(self) -> None:
-        """Between runs, before queued requests are admitted: write the imports into the tier,
-        answer the exports a step has saved, and offer the blocks of the new ones."""
+        """Between runs, before queued requests are admitted: write the imports into the tier
+        and offer the blocks of the new exports to the next plan's saves."""
         manager = self.core.scheduler.kv_cache_manager
         tier = manager.host_tier
         imports, self._imports = self._imports, []
@@ -82,7 +84,7 @@ class KVHandoffs:
             assert tier is not None
             try:
                 self.num_imported_blocks += import_into_tier(tier, given)
-            except OSError:  # a full /dev/shm: the request computes the blocks instead
+            except Exception:  # noqa: BLE001 - a full /dev/shm, a bad block: computed instead
                 logger.warning("writing pulled KV blocks into the host tier failed", exc_info=True)
         asked, self._asked = self._asked, []
         for export in asked:
@@ -100,7 +102,12 @@ class KVHandoffs:
             if export.answer.done():
                 continue
             assert tier is not None
-            result = export_from_tier(tier, export.block_hashes, export.with_bytes)
+            try:
+                result = export_from_tier(tier, export.block_hashes, export.with_bytes)
+            except Exception as exc:  # noqa: BLE001 - the puller's loss: it computes them
+                logger.warning("reading KV blocks to export failed", exc_info=True)
+                export.answer.set_exception(exc)
+                continue
             self.num_exported_blocks += len(result.block_hashes)
             export.answer.set_result(result)
 

@@ -20,11 +20,13 @@ from pagedray.scheduler.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class KVPull:
     """The replica whose pool holds more of a request's prefix than the one the router sent it
-    to (that one was too loaded), and how many leading blocks it holds: the receiving engine
-    pulls them rather than computing them (scheduler/kv_transfer.py)."""
+    to (that one was too loaded), how many leading blocks it holds, and from which block on
+    the receiving engine lacks them (its pool and node tiers hold those before, as the router
+    last saw them): it pulls those rather than computing them (scheduler/kv_transfer.py)."""
 
     replica_id: str
     num_blocks: int
+    first_block: int = 0
 
 
 @dataclass

@@ -207,7 +207,7 @@ def test_a_request_sent_away_from_its_prefix_pulls_it_from_the_holder(views: KVV
     _, decision = router._by_cached_prefix([a, b], H)
     assert decision.reason == "load_fallback"
     assert (decision.pooled, decision.tiered) == ({"a": 4, "b": 1}, {"a": 0, "b": 1})
-    assert decision.pull_for("b", min_blocks=2) == KVPull("a", 4)  # has 2 of 4
+    assert decision.pull_for("b", min_blocks=2) == KVPull("a", 4, 2)  # has 2 of 4
     assert decision.pull_for("b", min_blocks=3) is None
     assert decision.pull_for("a", min_blocks=1) is None  # the holder itself
     assert decision.pull_for("b", min_blocks=0) is None  # pulls off
@@ -217,7 +217,14 @@ def test_a_request_sent_away_from_its_prefix_pulls_it_from_the_holder(views: KVV
     router.pull_min_blocks = 2
     engine_router._keep_decision(pending, decision)  # type: ignore[arg-type]
     router._record_decision(pending, "b")  # type: ignore[arg-type]
-    assert pickle.loads(pickle.dumps(request)).pull_from == KVPull("a", 4)  # it travels
+    assert pickle.loads(pickle.dumps(request)).pull_from == KVPull("a", 4, 2)  # it travels
+    engine_router._keep_decision(pending, RoutingDecision("load_only"))  # type: ignore[arg-type]
+    router._record_decision(pending, "a")  # type: ignore[arg-type]
+    assert request.pull_from is None, "sent again: no pull left from the last routing"
+    engine_router._keep_decision(pending, None)  # type: ignore[arg-type]
+    request.pull_from = KVPull("a", 4, 2)
+    router._record_decision(pending, "b")  # type: ignore[arg-type]
+    assert request.pull_from is None
 
 
 def test_blocks_on_a_nodes_disk_count_after_its_host_tiers_at_their_weight(

@@ -109,3 +109,33 @@ def test_a_loaded_holder_answers_within_its_run_and_only_what_it_caches(
         assert len(tokens) == 400
 
     asyncio.run(scenario())
+
+
+def test_a_failed_hand_off_costs_the_puller_a_prefill_and_never_the_engine(
+    tiny_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of the wrong size given to an engine is not written (the request computes its
+    prompt); an export whose read fails answers with the error; both engines serve on."""
+    from pagedray.engine import kv_handoffs
+    from pagedray.scheduler.kv_transfer import KVExport
+
+    holder = serving_engine(tiny_llama, tmp_path / "node-a", monkeypatch)
+    puller = serving_engine(tiny_llama, tmp_path / "node-b", monkeypatch)
+    prompt = prompt_of(5)
+
+    def unreadable(*_: object) -> KVExport:
+        raise OSError("the tier file went away")
+
+    async def scenario() -> None:
+        expected, _ = await generate(holder, "first", prompt)
+        puller.give_kv(KVExport(hashes_of(prompt)[:6], [b"short"] * 6))
+        tokens, cached = await generate(puller, "computed", prompt)
+        assert (tokens, cached) == (expected, 0)
+        monkeypatch.setattr(kv_handoffs, "export_from_tier", unreadable)
+        with pytest.raises(OSError, match="went away"):
+            await holder.export_kv(hashes_of(prompt), with_bytes=True)
+        assert (await generate(holder, "after", prompt))[0] == expected
+        assert holder.health()["healthy"] and puller.health()["healthy"]
+
+    asyncio.run(scenario())
+    assert puller.stats()["num_kv_imported_blocks"] == 0
