@@ -51,7 +51,18 @@ app = openai_fastapi_app(_replica_server, _replica_metrics)
 app.add_middleware(ClientDisconnect)
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=MAX_ONGOING_REQUESTS)
+# NOTE: Serve learns that a replica's process died only from its next health check, sent this
+# long after the last one (10 s by default): with one ingress replica the API stayed down for
+# up to that long before the replacement even started (7-15 s after a SIGKILL, issue P14). The
+# check is one actor call that runs nothing of ours.
+HEALTH_CHECK_PERIOD_S = 0.5
+
+
+@serve.deployment(
+    name="OpenAIIngress",
+    max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    health_check_period_s=HEALTH_CHECK_PERIOD_S,
+)
 @serve.ingress(app)
 class OpenAIIngress:
     """One ingress replica: its `OpenAIServer` and its metrics.
@@ -69,8 +80,8 @@ class OpenAIIngress:
         response_store: DeploymentHandle | None = None,
         cors: CORSSettings | None = None,
     ) -> None:
-        # In the replica: transformers and torch come with it; the app's builder needs neither.
-        from pagedray.engine.engine_factory import load_tokenizer, make_validator
+        # In the replica: transformers comes with it; the app's builder needs none of it.
+        from pagedray.engine.tokenizer_loading import load_tokenizer, make_validator
 
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         install_serve_bind_fix()  # before the replica listens on the API port (after this)

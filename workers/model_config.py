@@ -1,8 +1,9 @@
 """The model's shape, read once from an HF checkpoint's config.json and frozen.
 
 Workers build layers from it; nothing here imports transformers, so a worker needs only the
-checkpoint directory. Both rope layouts are accepted: transformers 5's `rope_parameters` and the
-older `rope_theta` + `rope_scaling`.
+checkpoint directory; nor torch until a layer asks for the dtype, so the ingress reads the
+model's limits without loading torch. Both rope layouts are accepted: transformers 5's
+`rope_parameters` and the older `rope_theta` + `rope_scaling`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -29,12 +31,13 @@ _MODEL_TYPE_TO_ARCHITECTURE = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The dtype names a config or a flag may use, by torch's name for them.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 _DEFAULT_ROPE_THETA = 10_000.0  # transformers' default_theta when a config omits it
 
@@ -66,7 +69,13 @@ class ModelConfig:
     # NOTE: recorded, not applied: the model attends to the whole context, so the engine must
     # cap the context length at this window (Mistral v0.1) for outputs to match the reference.
     sliding_window: int | None
-    dtype: torch.dtype
+    dtype_name: str  # torch's name of the weights' and KV pool's dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "auto") -> ModelConfig:
@@ -112,7 +121,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=_eos_ids(raw.get("eos_token_id")),
             sliding_window=_sliding_window(raw),
-            dtype=_resolve_dtype(raw, dtype),
+            dtype_name=_resolve_dtype(raw, dtype),
         )
 
 
@@ -165,7 +174,7 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return raw.get("sliding_window")
 
 
-def _resolve_dtype(raw: dict[str, Any], dtype: str) -> torch.dtype:
+def _resolve_dtype(raw: dict[str, Any], dtype: str) -> str:
     name = dtype
     if dtype == "auto":
         # transformers 5 writes `dtype`, older versions `torch_dtype`; absent means float32.

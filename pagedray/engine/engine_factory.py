@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.executor import UniProcExecutor
 from pagedray.engine.prompt_validator import PromptValidator
+from pagedray.engine.tokenizer_loading import load_tokenizer, make_validator
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.grammar import StructuredOutputManager
 from pagedray.scheduler.host_kv_tier import HostKVTier
@@ -35,19 +36,6 @@ def open_tiers(paths: dict[str, str]) -> HostKVTier | None:
     except (OSError, ValueError) as exc:
         logger.warning("KV tiers off: %s (%s)", paths, exc)
         return None
-
-
-def load_tokenizer(config: EngineConfig) -> Any:
-    # NOTE: imported here: transformers' auto classes cost 1-2 s to import, which an engine
-    # replica (no tokenizer until a structured request) does not pay at start.
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-
-
-def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> PromptValidator:
-    model_config = ModelConfig.from_pretrained(config.model, config.dtype)
-    return PromptValidator(tokenizer, max_model_len, model_config.vocab_size, config.max_num_seqs)
 
 
 def structured_output_manager(

@@ -119,6 +119,19 @@ def _check_scheduling_policies(server: ServeProcess) -> None:
     assert set().union(*policies.values()) == {os.SCHED_BATCH}
 
 
+def _check_ingress_runs_without_torch(server: ServeProcess) -> None:
+    """The ingress tokenizes with the model's own tokenizer class, without transformers' auto
+    classes, which import torch: 1.5-2 s off its start, so off the API's outage when it is
+    replaced (pagedray/engine/tokenizer_loading.py)."""
+
+    def maps_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    (ingress,), (engine,) = server.processes("OpenAIIngress"), server.processes("PagedRayEngine")
+    assert maps_torch(engine)
+    assert not maps_torch(ingress)
+
+
 def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> None:
     # No --num-threads: the default leaves a core to the serving path (1 thread on 2 cores).
     flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32"]
@@ -154,6 +167,7 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         assert quiet == [quiet_threads_per_rank(1)]
         _check_scheduling_policies(server)
         _check_serve_intervals(server)
+        _check_ingress_runs_without_torch(server)
         # The dashboard lies where the Grafana of Ray's session loads Ray's own dashboards.
         grafana = (server.ray_tmp / "session_latest" / "metrics" / "grafana").resolve()
         assert (grafana / "dashboards" / DASHBOARD_FILE).read_text() == dashboard_json()
