@@ -48,6 +48,8 @@ _CUMULATIVE_STATS = (
     "host_tier_save_seconds",
     "host_tier_load_seconds",
     "disk_tier_load_seconds",
+    "num_kv_exported_blocks",
+    "num_kv_imported_blocks",
 )
 # `Scheduler.stats()` keys of the prompt tokens counted by source (a tagged counter).
 _SOURCE_STATS = tuple(f"prompt_tokens_{source}" for source in PROMPT_TOKEN_SOURCES)
@@ -136,6 +138,14 @@ class EngineMetrics:
         self.disk_tier_load_seconds = counter(
             "pagedray_disk_tier_load_seconds",
             "Seconds rank 0 spent copying blocks from the disk tier into the pool.",
+        )
+        self.num_kv_exported_blocks = counter(
+            "pagedray_kv_exported_blocks",
+            "KV blocks this engine handed to another that pulled them (from its node's tier).",
+        )
+        self.num_kv_imported_blocks = counter(
+            "pagedray_kv_imported_blocks",
+            "KV blocks pulled from another node's engine into this node's host tier.",
         )
         self.disk_tier_blocks = gauge(
             "pagedray_disk_tier_blocks", "KV blocks held in the node's disk tier (--kv-disk-dir)."

@@ -274,7 +274,7 @@ class AsyncEngine:
                         await self._save_step(loop)
                         continue
                     self.requests.expire()
-                    self._recorder.stats(self._stats)
+                    self._recorder.stats(self._stats, self.handoffs.stats())
                     if not self._saving:  # idle: no step touches the index or the tier now
                         self.core.publish_kv_delta()
                     self._wakeup.clear()
@@ -290,7 +290,7 @@ class AsyncEngine:
                         self._complete(finished_step)
                         finished_step = None
                     self.requests.expire()
-                    self._recorder.stats(self._stats)
+                    self._recorder.stats(self._stats, self.handoffs.stats())
                     finished_step = await steps
                 finally:
                     self._runner.started = None
@@ -320,7 +320,7 @@ class AsyncEngine:
         self._process(finished_step)
         self._complete(finished_step)
         self.requests.expire()
-        self._recorder.stats(self._stats)
+        self._recorder.stats(self._stats, self.handoffs.stats())
         self._runner.streaming = self.requests.any_streaming()
 
     def _may_run_on(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Mapping, Protocol
 
 from pagedray.engine.output_processor import RequestState
 from pagedray.scheduler.engine_core import EngineCore
@@ -81,9 +81,13 @@ class StepMetricsRecorder:
         # time.monotonic() of each live request's last token: its next token's latency.
         self._last_token_time: dict[str, float] = {}
 
-    def stats(self, stats: dict[str, float]) -> None:
+    def stats(self, *parts: Mapping[str, float]) -> None:
+        """A stats snapshot, given in parts (the scheduler's, the KV hand-offs')."""
         if self.metrics is not None:
-            self.metrics.record_stats(stats)
+            merged: dict[str, float] = {}
+            for part in parts:
+                merged.update(part)
+            self.metrics.record_stats(merged)
 
     def admitted(self, request: Request) -> None:
         if self.metrics is not None:

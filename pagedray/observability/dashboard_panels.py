@@ -136,13 +136,16 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         "KV tiers",
         "short",
         "Blocks saved to and loaded from the node's host tier per second (evicted from a pool; "
-        "found there instead of computed), moved down to and loaded from its disk tier, and the "
-        "blocks each holds.",
+        "found there instead of computed), moved down to and loaded from its disk tier, pulled "
+        "into this node's tier from another node's engine and pulled from this node's engines by "
+        "others, and the blocks each holds.",
         [
             (_sum_by_model(_rate("ray_pagedray_host_tier_saved_blocks_total")), "host saved/s"),
             (_sum_by_model(_rate("ray_pagedray_host_tier_loaded_blocks_total")), "host loaded/s"),
             (_sum_by_model(_rate("ray_pagedray_disk_tier_saved_blocks_total")), "disk saved/s"),
             (_sum_by_model(_rate("ray_pagedray_disk_tier_loaded_blocks_total")), "disk loaded/s"),
+            (_sum_by_model(_rate("ray_pagedray_kv_imported_blocks_total")), "pulled in/s"),
+            (_sum_by_model(_rate("ray_pagedray_kv_exported_blocks_total")), "pulled out/s"),
             (
                 f"max by (model_name) (ray_pagedray_host_tier_blocks{SELECTOR})",
                 "host held {{model_name}}",

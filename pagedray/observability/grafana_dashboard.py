@@ -36,6 +36,8 @@ COUNTERS = (
     "ray_pagedray_host_tier_save_seconds_total",  # rank 0's copy time
     "ray_pagedray_host_tier_load_seconds_total",
     "ray_pagedray_disk_tier_load_seconds_total",
+    "ray_pagedray_kv_exported_blocks_total",  # pulled from this engine by another
+    "ray_pagedray_kv_imported_blocks_total",  # pulled from another node into this one's tier
     "ray_pagedray_num_preemptions_total",
     "ray_pagedray_prompt_tokens_total",
     "ray_pagedray_prompt_tokens_by_source_total",  # tag source (vLLM's three)

@@ -162,6 +162,11 @@ def test_scheduler_totals_become_counter_deltas() -> None:
     assert [v for v, _ in recorders["prefix_cache_queries"].values] == [48, 32]
     assert [v for v, _ in recorders["prefix_cache_hits"].values] == [16, 32]
     assert [v for v, _ in recorders["num_preemptions"].values] == [1]
+    pulls = {"num_kv_exported_blocks": 6, "num_kv_imported_blocks": 0}
+    metrics.record_stats({**stats, **pulls})
+    metrics.record_stats({**stats, **pulls, "num_kv_imported_blocks": 4})
+    assert [v for v, _ in recorders["num_kv_exported_blocks"].values] == [6]
+    assert [v for v, _ in recorders["num_kv_imported_blocks"].values] == [4]
     sources = {"prompt_tokens_local_compute": 30, "prompt_tokens_external_kv_transfer": 16}
     metrics.record_stats({**stats, **sources})
     metrics.record_stats({**stats, **sources, "prompt_tokens_local_compute": 40})
@@ -397,6 +402,8 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_host_tier_load_seconds_total",
     "ray_pagedray_disk_tier_load_seconds_total",
     "ray_pagedray_disk_tier_blocks",
+    "ray_pagedray_kv_exported_blocks_total",
+    "ray_pagedray_kv_imported_blocks_total",
     "ray_pagedray_prompt_tokens_total",
     "ray_pagedray_prompt_tokens_by_source_total",
     "ray_pagedray_generation_tokens_total",
