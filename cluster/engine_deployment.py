@@ -24,19 +24,20 @@ from pagedray.cluster.engine_router import (
     DEFAULT_TIER_WEIGHT,
     EngineRequestRouter,
 )
+from pagedray.cluster.kv_puller import KVPuller
 from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
 from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
-from pagedray.engine.output_channel import REPLICA_ID_KWARG, OutputChannels
+from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import failure_of
 from pagedray.engine.request_stream import Sink
-from pagedray.engine.wire import GenerateRequest, KVPull, RequestStepOutput
+from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.kv_transfer import KVExport, TierAddress
-from pagedray.scheduler.prefix_hash import BlockHash, compute_block_hashes
+from pagedray.scheduler.prefix_hash import BlockHash
 from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.cpu_threads import RESERVED_SERVING_CORES, serving_thread_counts
 
@@ -55,9 +56,6 @@ DRAIN_MARGIN_S = 10.0
 NO_DEADLINE_DRAIN_S = 3600.0
 # How often a draining replica looks whether its calls are done (Serve's default: 2 s).
 DRAIN_POLL_S = 1.0
-# How long a request waits for the blocks it pulls (the holder's step in flight, a round trip)
-# before it computes them instead.
-PULL_TIMEOUT_S = 2.0
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
@@ -111,7 +109,7 @@ class EngineDeployment:
         self.kv_index = KVIndexPublisher() if self.config.enable_kv_cache_events else None
         tier = engine.scheduler.kv_cache_manager.host_tier
         self.tier_address = TierAddress(_node_id(), tier.path) if tier is not None else None
-        self._engines: Any = None  # a handle to this deployment, for pulls (at the first)
+        self.puller = KVPuller(self.engine, self.replica_id, self.tier_address)
 
     async def generate(self, request: GenerateRequest) -> RequestStepOutput:
         """A request, the one call shape: one unary call, answered when the request ends. A
@@ -131,7 +129,7 @@ class EngineDeployment:
         if channel_id is None and request.stream_interval is not None:  # a caller's bug
             return error_output(request_id, RuntimeError("a streamed request needs a channel"))
         if request.pull_from is not None:  # before its channel opens: the caller may go
-            await self._pull(request, request.pull_from)
+            await self.puller.pull(request, request.pull_from)
         channel = self.channels.open(channel_id) if channel_id is not None else None
         ended: asyncio.Future[RequestStepOutput] = asyncio.get_running_loop().create_future()
 
@@ -167,41 +165,6 @@ class EngineDeployment:
                 self.engine.abort(request_id)
             if channel_id is not None:
                 self.channels.end_request(channel_id, request_id, discard_outputs=not finished)
-
-    async def _pull(self, request: GenerateRequest, pull: KVPull) -> None:
-        """Before admitting `request`, have the replica holding its prefix put the blocks this
-        one lacks (from `pull.first_block` on) into its node's tier, with their bytes if that
-        tier is not this one's: admission then loads them (scheduler/kv_transfer.py). Best
-        effort: a holder that is gone, fails or takes over `PULL_TIMEOUT_S` leaves them to be
-        computed."""
-        if self.tier_address is None or pull.replica_id == self.replica_id:
-            return
-        block_size = self.engine.core.scheduler.config.block_size
-        prompt = request.prompt_token_ids
-        hashes = compute_block_hashes(prompt, block_size, request.cache_salt, [])
-        hashes = hashes[pull.first_block : pull.num_blocks]
-        call: Any = None
-        try:
-            if self._engines is None:
-                context = serve.get_replica_context()
-                self._engines = serve.get_deployment_handle(
-                    context.deployment, context.app_name
-                ).options(stream=False)
-            call = self._engines.export_kv.remote(
-                hashes, self.tier_address, **{REPLICA_ID_KWARG: pull.replica_id}
-            )
-            export = await asyncio.wait_for(call, PULL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a timeout, a holder gone: compute them
-            if call is not None:
-                call.cancel()
-            holder = pull.replica_id
-            logger.info("pulling %d KV blocks from %s failed: %r", len(hashes), holder, exc)
-            return
-        self.engine.give_kv(export)
-        call_logger.debug(
-            "%s: pulled %d of %d KV blocks from %s",
-            request.request_id, len(export.block_hashes), len(hashes), pull.replica_id,
-        )  # fmt: skip
 
     async def export_kv(
         self, block_hashes: list[BlockHash], puller: TierAddress, replica_id: str
