@@ -126,11 +126,12 @@ def scaled_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
 def test_engines_scale_out_on_queued_sequences_and_back_in_when_idle(scaled_url: str) -> None:
     assert len(_replicas(scaled_url)) == 1
     streams = Streams(scaled_url)
-    # 4 running + 4 waiting: 2.5 replicas' worth, for 2 x 25 s: time for a replica to start
-    # on a loaded machine before the load is gone and Serve would remove it again.
-    streams.start(8, max_tokens=250)
+    # 4 running + 4 waiting: 2.5 replicas' worth, for 2 x 14 s: time for a replica to start
+    # on a loaded machine (an engine replica is up 3-6 s after Serve asks for it) before the
+    # load is gone and Serve would remove it again.
+    streams.start(8, max_tokens=140)
     _wait_for(lambda: len(_replicas(scaled_url)) == 2, "no second engine replica")
-    assert streams.join(300) == [(250, "length", None)] * 8
+    assert streams.join(300) == [(140, "length", None)] * 8
     _wait_for(lambda: len(_replicas(scaled_url)) == 1, "idle, yet still two engine replicas")
 
 
