@@ -54,8 +54,11 @@ DEFAULT_HEALTH_CHECK_PERIOD_S = 2.0
 # every one finish. Without a deadline, an hour. Serve's own default, 20 s, would cut them off.
 DRAIN_MARGIN_S = 10.0
 NO_DEADLINE_DRAIN_S = 3600.0
-# How often a draining replica looks whether its calls are done (Serve's default: 2 s).
-DRAIN_POLL_S = 1.0
+# How often a draining replica looks whether its calls are done (Serve's default: 2 s). Serve
+# waits this long before it first looks, so an idle replica's stop takes at least this: a
+# redeploy, a scale-in and a Ctrl-C each wait for it. A look counts the replica's calls, and
+# Serve logs a line for each while calls remain (so not more often).
+DRAIN_POLL_S = 0.5
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 

@@ -91,7 +91,7 @@ class OpenAIIngress:
         if engine_config.enable_kv_cache_events:  # cache-aware routing: follow engines' caches
             kv_views.KV_VIEWS.attach(engine, engine_config.block_size)
         self.metrics = IngressMetrics(engine_config.served_name())
-        client = ServeEngineClient(
+        self.client = client = ServeEngineClient(
             engine,
             control,
             engine_config.migration_limit,
@@ -109,6 +109,15 @@ class OpenAIIngress:
             self._prometheus_text,
         )
         provision_for_this_ray_session()  # on the head: our dashboard beside Ray's in Grafana
+
+    def __del__(self) -> None:
+        """Serve's shutdown hook, once this replica's requests drained: the engines' streams it
+        follows (output channels, KV views) end now, so that an engine stopping beside it (a
+        redeploy, a shutdown) need not wait seconds for them to go idle."""
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+        kv_views.KV_VIEWS.close()
 
     async def _prometheus_text(self) -> str | None:
         """The pagedray series of every node's Ray metrics export; None if none answered."""

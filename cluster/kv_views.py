@@ -45,6 +45,14 @@ class KVViews:
         """Follow the replicas of `engine` (a handle routed by `EngineRequestRouter`)."""
         self._engine, self._block_size = engine, block_size
 
+    def close(self) -> None:
+        """Stop following (this ingress replica stops): an engine counts each stream as a call
+        in flight, and could not stop beside it until the stream went idle."""
+        self._engine, self.live_replica_ids = None, frozenset()
+        tasks, self._tasks = self._tasks, {}
+        for task in tasks.values():
+            task.cancel()  # its stream is cancelled as the task unwinds
+
     @property
     def attached(self) -> bool:
         return self._engine is not None

@@ -58,6 +58,14 @@ class OutputSubscriber:
         self._deliveries.pop(request_id, None)
         self._replica_of.pop(request_id, None)
 
+    def close(self) -> None:
+        """End every subscription (this ingress replica stops, its requests drained): an
+        engine counts one as a call in flight, and stopping beside it would wait for it to go
+        idle (`IDLE_S`)."""
+        subscriptions, self._subscriptions = self._subscriptions, {}
+        for task in subscriptions.values():
+            task.cancel()  # its call is cancelled as the task unwinds
+
     async def _read(self, replica_id: str) -> None:
         """Hand out `replica_id`'s batches while requests of that replica are open here: its
         subscription ends itself once idle, and is made again if a request came meanwhile."""

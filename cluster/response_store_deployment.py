@@ -25,6 +25,9 @@ DEFAULT_MAX_BYTES = 256 * 2**20
     num_replicas=1,
     ray_actor_options={"num_cpus": 0},
     max_ongoing_requests=1000,
+    # Serve waits this long before it first looks whether a stopping replica's calls are done
+    # (2 s by default): this one's take microseconds, and an app's deletion waited for it.
+    graceful_shutdown_wait_loop_s=0.5,
 )
 class ResponseStoreDeployment:
     """Put, get and delete stored Responses by id (calls through a DeploymentHandle)."""

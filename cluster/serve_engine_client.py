@@ -77,6 +77,11 @@ class ServeEngineClient:
         self.watch = ReplicaWatch(engine)
         self.migration = MigrationPolicy(migration_limit, migration_max_seq_len, on_migration)
 
+    def close(self) -> None:
+        """This ingress replica stops: its calls that outlive requests (the output channels'
+        subscriptions) end now."""
+        self.subscriber.close()
+
     def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         """The request's one call to the engine deployment. Leaving early cancels the call,
         which aborts the request in the engine."""

@@ -206,3 +206,28 @@ def test_a_cancelled_read_is_a_disconnect(caplog: pytest.LogCaptureFixture) -> N
         logger.removeHandler(caplog.handler)
     assert closed and sent[0]["status"] == 200
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_an_app_deleted_after_a_stream_does_not_wait_for_its_idle_channel(
+    serve_url: str, tiny_llama: str
+) -> None:
+    """A finished stream leaves its ingress subscribed to the engine's output channel until
+    the channel has been idle for `IDLE_S`, and Serve counts that subscription as a call in
+    flight: a stopping engine waited for it (an app's deletion, a redeploy, a Ctrl-C took
+    `IDLE_S` and more). The stopping ingress now ends its subscriptions itself."""
+    from ray import serve
+
+    from pagedray.cluster.openai_app import build_app
+    from pagedray.engine.output_channel import IDLE_S
+
+    name = "stopping"
+    args = {"model": tiny_llama, "served_model_name": MODEL, "num_kv_blocks": 32}
+    args |= {"num_threads": 1, "ingress_num_cpus": 0.1, "use_ray_workers": False}
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    body = {"prompt": "one stream", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{serve_url}/{name}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and "data: [DONE]" in list(r.iter_lines())
+    started = time.monotonic()
+    serve.delete(name)  # returns once every replica has stopped
+    # Waiting for the channel to go idle took IDLE_S from the stream's end, at the least.
+    assert time.monotonic() - started < IDLE_S - 1.0
