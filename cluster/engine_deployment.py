@@ -17,6 +17,7 @@ from ray.serve import Deployment
 from ray.serve.config import RequestRouterConfig
 
 from pagedray.cluster.engine_autoscaling import report as autoscaling_report
+from pagedray.cluster.engine_metrics import EngineMetrics
 from pagedray.cluster.engine_router import (
     DEFAULT_DISK_WEIGHT,
     DEFAULT_LOAD_THRESHOLD,
@@ -25,7 +26,6 @@ from pagedray.cluster.engine_router import (
     EngineRequestRouter,
 )
 from pagedray.cluster.kv_puller import KVPuller
-from pagedray.cluster.metrics import EngineMetrics
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, AsyncEngine
 from pagedray.engine.config import EngineConfig

@@ -38,7 +38,7 @@ from ray.serve.request_router import (
 # instead of naming them; a module is pickled by name, so `kv_views.KV_VIEWS` is this process's
 # (and `replica_watch.UNHEALTHY_REPLICA_IDS` likewise).
 from pagedray.cluster import kv_views, replica_watch
-from pagedray.cluster.metrics import RouterMetrics
+from pagedray.cluster.ingress_metrics import RouterMetrics
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.engine.wire import GenerateRequest, KVPull
 

@@ -18,7 +18,7 @@ from pagedray.cluster import kv_views
 from pagedray.cluster.client_disconnect import ClientDisconnect
 from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
-from pagedray.cluster.metrics import IngressMetrics
+from pagedray.cluster.ingress_metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import export_urls, fetch_exports, merge_pagedray_families
 from pagedray.cluster.response_store_deployment import ServeResponseStore
 from pagedray.cluster.serve_bind_fix import install_serve_bind_fix

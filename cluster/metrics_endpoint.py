@@ -25,7 +25,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from pagedray.cluster.metrics import GENERATION_ROUTES, metric_groups
+from pagedray.cluster.engine_metrics import EngineMetrics
+from pagedray.cluster.ingress_metrics import GENERATION_ROUTES, IngressMetrics, RouterMetrics
 
 logger = logging.getLogger("ray.serve.pagedray.ingress")
 
@@ -36,6 +37,16 @@ SCRAPE_TIMEOUT_S = 2.0
 # Prometheus' classic text format, which `generate_latest` writes and every scraper reads.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _HEADERS = (f"# HELP {PREFIX}", f"# TYPE {PREFIX}")
+
+
+def metric_groups(model_name: str) -> list[EngineMetrics | IngressMetrics | RouterMetrics]:
+    """Every pagedray metric's definition, for `model_name`, without recording anything (what
+    /metrics shows at 0 before Ray's first export; `with_zeros`)."""
+    return [
+        EngineMetrics(model_name, export_zeros=False),
+        IngressMetrics(model_name, export_zeros=False),
+        RouterMetrics(model_name, export_zeros=False),
+    ]
 
 
 def export_urls() -> list[str]:

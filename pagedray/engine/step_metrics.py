@@ -13,8 +13,8 @@ from pagedray.scheduler.request import Request
 
 
 class EngineMetrics(Protocol):
-    """What the loop records into: Ray's metrics in a served engine (cluster/metrics.py, whose
-    `EngineMetrics` this describes), injected, so the engine itself imports no Ray."""
+    """What the loop records into: Ray's metrics in a served engine (`EngineMetrics` of
+    cluster/engine_metrics.py, which this describes), injected, so the engine imports no Ray."""
 
     def record_stats(self, stats: dict[str, float]) -> None: ...
 

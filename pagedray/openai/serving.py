@@ -29,7 +29,7 @@ from pagedray.scheduler.request_failure import FailureKind, RequestFailure, Requ
 
 class IngressMetrics(Protocol):
     """What the middleware records into: Ray's metrics in the served ingress
-    (cluster/metrics.py, whose `IngressMetrics` this describes), injected, so this layer
+    (cluster/ingress_metrics.py, whose `IngressMetrics` this describes), injected, so this layer
     imports no Ray."""
 
     def record(self, route: str, status: int, latency: float) -> None: ...

@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from pagedray.cli.serve import add_serve_parser
-from pagedray.cluster.metrics import EngineMetrics, IngressMetrics, RouterMetrics
+from pagedray.cluster.engine_metrics import EngineMetrics
+from pagedray.cluster.ingress_metrics import IngressMetrics, RouterMetrics
 from pagedray.cluster.metrics_endpoint import merge_pagedray_families
 from pagedray.engine import async_engine
 from pagedray.engine.async_engine import AsyncEngine

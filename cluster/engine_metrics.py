@@ -1,25 +1,15 @@
-"""pagedray's Prometheus metrics, every one defined here and recorded with `ray.util.metrics`:
-the engine's (`EngineMetrics`), the HTTP ingress's (`IngressMetrics`) and the engine router's
-(`RouterMetrics`, in the ingress's process).
-
-Names follow vLLM's. Ray exports each as `ray_<name>` (counters add `_total`, histograms
-`_bucket`/`_sum`/`_count`): exactly `grafana_dashboard.METRIC_NAMES`, which a test checks.
+"""The engine's Prometheus metrics (`EngineMetrics`), recorded with `ray.util.metrics` by each
+engine replica's `AsyncEngine`: the scheduler's gauges and counters, per-step and per-request
+latencies, the KV tiers' and the grammars'. Names follow vLLM's (cluster/metric_series.py).
 """
 
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from pagedray.cluster.replica_watch import STALLED_REASON
-from pagedray.engine.request_errors import MIGRATED_FAILURES
+from pagedray.cluster.metric_series import TAG_KEYS, TTFT_BUCKETS, export_at_zero, prometheus_names
 from pagedray.scheduler.kv_cache_manager import PROMPT_TOKEN_SOURCES
 
-TAG_KEYS = ("model_name",)
-# vLLM's buckets (seconds); inter-token latency and step time start lower, for fast GPUs.
-TTFT_BUCKETS = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-]  # fmt: skip
 ITL_BUCKETS = [
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -29,9 +19,6 @@ REQUEST_LATENCY_BUCKETS = [
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
 BATCH_SIZE_BUCKETS = [1.0, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024]
-# Upper bounds, which include the value; Ray takes positive bounds only, so a miss (0 blocks)
-# has the first bucket, 0.5, to itself.
-MATCHED_BLOCKS_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 
 # The scheduler's cumulative stats exported as counters: `Scheduler.stats()` keys, and the
 # names of the counter attributes below.
@@ -59,14 +46,6 @@ FINISHED_REASONS = ("stop", "length")
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
 # From a cached mask of a few microseconds to a large schema's compile of a second.
 GRAMMAR_BUCKETS = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0]
-# The ingress's series exported as 0 before the first request: each generation route with each
-# status the ingress answers it with (ok, bad request, bad API key, unknown model, engine error,
-# engine overloaded or dead).
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
-HTTP_STATUSES = ("200", "400", "401", "404", "500", "503")
-# Why a request was sent to an engine again: the kind of its engine's failure, or its replica
-# making no progress (cluster/replica_watch.py).
-MIGRATION_REASONS = (*(kind.value for kind in MIGRATED_FAILURES), STALLED_REASON)
 
 
 class EngineMetrics:
@@ -208,7 +187,7 @@ class EngineMetrics:
         )
         self._last_totals = dict.fromkeys(_CUMULATIVE_STATS + _SOURCE_STATS, 0.0)
         if export_zeros:
-            _export_zeros(self.zero_series())
+            export_at_zero(self.zero_series())
 
     def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
         """The counters' series that exist at 0 before anything is counted (tags beyond the
@@ -304,146 +283,4 @@ class EngineMetrics:
 
     def prometheus_names(self) -> list[str]:
         """The names Ray's Prometheus endpoint exports these metrics under."""
-        return _prometheus_names(self)
-
-
-class IngressMetrics:
-    """One ingress replica's metrics, tagged with its model name: one call per answered request.
-
-    `HTTPMetricsMiddleware` records them, so every route and every status is covered.
-    """
-
-    def __init__(self, model_name: str, export_zeros: bool = True) -> None:
-        self.model_name = model_name
-        tags = {"model_name": model_name}
-        self.http_requests = Counter(
-            "pagedray_http_requests",
-            "API requests answered, by route and HTTP status.",
-            TAG_KEYS + ("route", "status"),
-        ).set_default_tags(tags)
-        # TTFT's buckets: from a refusal in a millisecond to a generation of minutes.
-        self.http_request_latency = Histogram(
-            "pagedray_http_request_latency_seconds",
-            "Request received to response sent (a stream's last chunk), by route.",
-            TTFT_BUCKETS,
-            TAG_KEYS + ("route",),
-        ).set_default_tags(tags)
-        self.request_migrations = Counter(
-            "pagedray_request_migrations",
-            "Engine requests moved to another engine replica after theirs failed them (a stream "
-            "resumed from the tokens its client has), by the failure's kind (dead, aborted) or "
-            "stalled (its replica made no progress).",
-            TAG_KEYS + ("reason",),
-        ).set_default_tags(tags)
-        # NOTE: a counter of seconds, not a histogram: a histogram is exported only once it
-        # has a sample, and a move is rare, so its panel would read "No data" instead of 0.
-        self.request_migration_time = Counter(
-            "pagedray_request_migration_seconds",
-            "Seconds from a request's engine failing it to the request's placement on another "
-            "engine replica, summed over moves (per move: divide by the migrations counter).",
-            TAG_KEYS,
-        ).set_default_tags(tags)
-        if export_zeros:
-            _export_zeros(self.zero_series())
-
-    def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
-        """The series that exist at 0 before the first request: each generation route with
-        each status it is answered with, and each reason to migrate a request."""
-        return (
-            [
-                (self.http_requests, {"route": route, "status": status})
-                for route in GENERATION_ROUTES
-                for status in HTTP_STATUSES
-            ]
-            + [(self.request_migrations, {"reason": reason}) for reason in MIGRATION_REASONS]
-            + [(self.request_migration_time, {})]
-        )
-
-    def record_migration(self, reason: str, seconds: float) -> None:
-        """A request moved, for `reason`, placed `seconds` after its engine failed it."""
-        self.request_migrations.inc(tags={"reason": reason})
-        if seconds > 0:  # Counter.inc refuses 0
-            self.request_migration_time.inc(seconds)
-
-    def record(self, route: str, status: int, latency: float) -> None:
-        """One answered request: its route template, HTTP status and seconds to answer."""
-        self.http_requests.inc(tags={"route": route, "status": str(status)})
-        self.http_request_latency.observe(latency, tags={"route": route})
-
-    def prometheus_names(self) -> list[str]:
-        """The names Ray's Prometheus endpoint exports these metrics under."""
-        return _prometheus_names(self)
-
-
-class RouterMetrics:
-    """The engine router's decisions, in each process that routes to the engines (the ingress
-    replicas): one call per routed generation, with the replica it went to and why (a call that
-    Serve routes again, its replica having refused it or died, counts again).
-
-    Reasons: `prefix_match` (a replica caching most of the prompt's leading blocks),
-    `tier_match` (the best replicas' pools hold none of them, their node's host KV tier does),
-    `load_fallback` (the best match was too loaded, or full, so another took it), `no_match`
-    (no replica caches any of them), `load_only` (nothing to match: one engine, power-of-two
-    routing, or no routing hashes yet).
-    """
-
-    def __init__(self, model_name: str, export_zeros: bool = True) -> None:
-        tags = {"model_name": model_name}
-        self.routed_requests = Counter(
-            "pagedray_routed_requests",
-            "Generation calls routed to an engine replica, by replica and routing decision.",
-            TAG_KEYS + ("replica", "reason"),
-        ).set_default_tags(tags)
-        self.routing_matched_blocks = Histogram(
-            "pagedray_routing_matched_blocks",
-            "Leading KV blocks of a routed prompt that its replica caches (the router's view; "
-            "those in its node's host tier count --routing-tier-weight each, on its disk "
-            "--routing-disk-weight).",
-            MATCHED_BLOCKS_BUCKETS,
-            TAG_KEYS,
-        ).set_default_tags(tags)
-        if export_zeros:
-            _export_zeros(self.zero_series())
-
-    def zero_series(self) -> list[tuple[Counter, dict[str, str]]]:
-        """None: its counter's series name replicas, which are not known in advance."""
-        return []
-
-    def record(self, replica: str, reason: str, matched_blocks: float | None) -> None:
-        """One routed call; `matched_blocks` (the pool's, plus the tier's weighted) None when
-        the router had no prefix to match."""
-        self.routed_requests.inc(tags={"replica": replica, "reason": reason})
-        if matched_blocks is not None:
-            self.routing_matched_blocks.observe(matched_blocks)
-
-    def prometheus_names(self) -> list[str]:
-        """The names Ray's Prometheus endpoint exports these metrics under."""
-        return _prometheus_names(self)
-
-
-def _prometheus_names(metrics: EngineMetrics | IngressMetrics | RouterMetrics) -> list[str]:
-    names = []
-    for metric in vars(metrics).values():
-        if isinstance(metric, Counter):
-            names.append(f"ray_{metric.info['name']}_total")
-        elif isinstance(metric, (Gauge, Histogram)):
-            names.append(f"ray_{metric.info['name']}")
-    return names
-
-
-def _export_zeros(series: list[tuple[Counter, dict[str, str]]]) -> None:
-    # NOTE: Ray exports a series only once something is recorded, and `Counter.inc` refuses 0:
-    # without this, a counter that never moved (preemptions) would be absent from Prometheus and
-    # its dashboard panel would show "No data" instead of 0.
-    for counter, tags in series:
-        counter._record(0.0, tags or None)
-
-
-def metric_groups(model_name: str) -> list[EngineMetrics | IngressMetrics | RouterMetrics]:
-    """Every pagedray metric's definition, for `model_name`, without recording anything (what
-    /metrics shows at 0 before Ray's first export; `metrics_endpoint.with_zeros`)."""
-    return [
-        EngineMetrics(model_name, export_zeros=False),
-        IngressMetrics(model_name, export_zeros=False),
-        RouterMetrics(model_name, export_zeros=False),
-    ]
+        return prometheus_names(self)
