@@ -11,7 +11,7 @@ power-of-two. A replica's load here is this process's generation calls on it
 A Serve handle has no way to call one chosen replica; a request router sees each call's
 arguments and can. Serve builds it from the deployment's `request_router_config` in every
 process that holds a handle to the engines (the ingress replicas, and an engine replica that
-pulls blocks from another, cluster/engine_deployment.py).
+pulls blocks from another, cluster/kv_puller.py).
 
 NOTE: a routing task's replica goes to the oldest call waiting, as in Serve's own router: the
 calls one HTTP request makes (a batch of prompts, a subscription) share Serve's internal request
