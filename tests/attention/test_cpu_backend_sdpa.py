@@ -1,19 +1,29 @@
-"""The CPU backend's bfloat16 prefill (torch's SDPA over the gathered context): the reference's
-output, and a row's result independent of what else the step computes — a prefix read from the
-cache instead of computed in the same chunk, other sequences in the batch."""
+"""The CPU backend's bfloat16 prefill by path (`PAGEDRAY_EXACT_ATTENTION=0`: torch's SDPA over
+the gathered context): the reference's output, and a row's result independent of what else the
+step computes — a prefix read from the cache instead of computed in the same chunk, other
+sequences in the batch."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 from _paged_batch import assert_close, build_metadata, metadata_on_blocks, pool_size
 
-from pagedray.attention import torch_ref
+from pagedray.attention import cpu_backend, torch_ref
 from pagedray.attention.cpu_backend import paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention
+
+
+@pytest.fixture(autouse=True)
+def _by_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "0")
+    cpu_backend.exact_rows.cache_clear()
+    yield
+    cpu_backend.exact_rows.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,95 @@
+"""A token's logits are the same bits however its context was computed — in one prefill, in
+chunks, one decode step at a time, beside other requests, or read from the prefix cache — so a
+request resumed on another engine, recomputed after preemption or batched with others draws the
+same tokens, sampled ones included. Real engines on the tiny models, in-process; the CPU
+backend's exact rows (attention/cpu_backend.py) and row-independent GEMMs make it so."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedray.attention import cpu_kernels
+from pagedray.llm import LLM
+from pagedray.scheduler.outputs import RequestOutput
+from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.layers.gemm import linear, pack
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
+)
+
+MAX_TOKENS = 24
+WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+
+
+def _gemm_rows_do_not_depend_on_the_batch(width: int) -> bool:
+    """Whether this CPU's GEMM gives a row the same bits at every batch size (no split of the
+    sum that changes with the rows): without it no attention path can make outputs exact."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(3 * width, width, generator=gen)
+    rows = torch.randn(300, width, generator=gen)
+    packed = pack(weight)
+    first = linear(rows[:1], weight, packed=packed)
+    return all(
+        torch.equal(linear(rows[:count], weight, packed=packed)[:1], first)
+        for count in (2, 7, 64, 300)
+    )
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(length)]
+
+
+def _chosen_logprobs(output: RequestOutput) -> list[float]:
+    choice = output.outputs[0]
+    assert choice.logprobs is not None
+    return [step[token] for token, step in zip(choice.token_ids, choice.logprobs, strict=True)]
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return llm.generate(batch, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_tokens_logprob_is_the_same_bits_by_every_path(
+    tiny_models: dict[str, str], arch: str
+) -> None:
+    hidden = json.loads((Path(tiny_models[arch]) / "config.json").read_text())["hidden_size"]
+    if not _gemm_rows_do_not_depend_on_the_batch(hidden):
+        pytest.skip("this CPU's GEMM rounds a row by the batch's size: outputs cannot be exact")
+    llm = LLM(tiny_models[arch], dtype="float32", enable_prefix_caching=False)
+    prompt = _prompt(1, 70)
+    [alone] = _run(llm, [prompt], WITH_LOGPROBS)
+    tokens, expected = alone.outputs[0].token_ids, _chosen_logprobs(alone)
+
+    # Each token's logprob with its context computed as one prefill (as a resumed request's or a
+    # preempted one's is), where the run above computed it one decode step at a time.
+    for cut in (1, 5, 13, MAX_TOKENS - 1):
+        single = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=1)
+        [resumed] = _run(llm, [prompt + tokens[:cut]], single)
+        assert resumed.outputs[0].token_ids == [tokens[cut]]
+        assert _chosen_logprobs(resumed) == [expected[cut]], cut
+
+    # Beside other requests, prompts and decodes of other lengths in the same steps.
+    together = _run(llm, [_prompt(2, 33), prompt, _prompt(3, 150)], WITH_LOGPROBS)
+    assert _chosen_logprobs(together[1]) == expected
+
+    # The prompt in chunks of 16 tokens.
+    chunked = LLM(
+        tiny_models[arch], dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=16
+    )
+    assert _chosen_logprobs(_run(chunked, [prompt], WITH_LOGPROBS)[0]) == expected
+
+    # Behind a prefix read from the cache, computed by another request's decode steps.
+    cached = LLM(tiny_models[arch], dtype="float32", enable_prefix_caching=True)
+    _run(cached, [prompt[:40]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    [behind_prefix] = _run(cached, [prompt], WITH_LOGPROBS)
+    assert behind_prefix.num_cached_tokens > 0
+    assert _chosen_logprobs(behind_prefix) == expected
