@@ -36,18 +36,29 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "deploy"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cluster"))
+from _failover import choice_text  # noqa: E402
 from _multi_node_scenario import MAX_TOKENS as NODE_MAX_TOKENS  # noqa: E402
 from _multi_node_scenario import run_scenario  # noqa: E402
 from _subprocesses import ServeProcess, free_port, pagedray_serve  # noqa: E402
 
 MODEL = "failover"
-KINDS = ("greedy", "seeded", "n2", "json", "stop", "logprobs")
+KINDS = ("greedy", "seeded", "n2", "json", "tool", "stop", "logprobs")
 STORY_SCHEMA = {
     "type": "object",
     "properties": {"story": {"type": "string", "minLength": 400}},
     "required": ["story"],
+}
+# A named tool call (constrained) whose arguments end within the request's tokens.
+TOOL_NAME = "log_story"
+TOOL_SCHEMA = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 60, "maxLength": 120}},
+    "required": ["story"],
+    "additionalProperties": False,
 }
 STRIKE_AT = 1 / 3  # of the expected tokens, when the fault strikes
 REQUEST_TIMEOUT_S = 300.0
@@ -77,6 +88,14 @@ def body_of(index: int, max_tokens: int) -> dict[str, Any]:
     elif kind == "json":
         schema = {"name": "story", "schema": STORY_SCHEMA}
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif kind == "tool":
+        del body["prompt"]
+        body.update(temperature=1.0, seed=index, max_tokens=4 * max_tokens)
+        body["messages"] = [{"role": "user", "content": f"Request {index} logs a story."}]
+        body["tools"] = [
+            {"type": "function", "function": {"name": TOOL_NAME, "parameters": TOOL_SCHEMA}}
+        ]
+        body["tool_choice"] = {"type": "function", "function": {"name": TOOL_NAME}}
     elif kind == "stop":
         body.update(stop=["e ", "a."], ignore_eos=True)
     else:
@@ -109,10 +128,9 @@ class StreamRecord:
 
 def read_stream(client: httpx.Client, url: str, body: dict[str, Any], on_chunk: Callable[[], None]):
     record = StreamRecord(KINDS[0])
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     try:
-        with client.stream(
-            "POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S
-        ) as r:
+        with client.stream("POST", f"{url}{path}", json=body, timeout=REQUEST_TIMEOUT_S) as r:
             record.status = r.status_code
             if r.status_code != 200:
                 record.error = r.read().decode(errors="replace")[:200]
@@ -129,7 +147,7 @@ def read_stream(client: httpx.Client, url: str, body: dict[str, Any], on_chunk: 
                     continue
                 for choice in event.get("choices", []):
                     index = choice["index"]
-                    record.texts[index] = record.texts.get(index, "") + choice.get("text", "")
+                    record.texts[index] = record.texts.get(index, "") + choice_text(choice)
                     if choice.get("finish_reason"):
                         record.finish_reasons[index] = choice["finish_reason"]
                     logprobs = choice.get("logprobs") or {}
@@ -233,11 +251,7 @@ def compare(
                 f"  {name}: a {record.kind} request differs: {_difference(record, ref)}",
                 file=sys.stderr,
             )
-        if record.kind == "json" and record.finish_reasons.get(0) == "stop":
-            try:
-                json.loads(record.texts.get(0, ""))
-            except ValueError:
-                json_invalid += 1
+        json_invalid += not _valid(record)
     pauses = sorted(record.longest_pause_s for record in records if not record.failed)
     return FaultFigures(
         name,
@@ -250,6 +264,20 @@ def compare(
         sum(pause > PAUSED_S for pause in pauses),
         replacement_s,
     )
+
+
+def _valid(record: StreamRecord) -> bool:
+    """A finished JSON output parses; a finished tool call's arguments match its schema."""
+    text, finish = record.texts.get(0, ""), record.finish_reasons.get(0)
+    try:
+        if record.kind == "json" and finish == "stop":
+            json.loads(text)
+        elif record.kind == "tool" and finish in ("stop", "tool_calls"):
+            assert text.startswith(TOOL_NAME), text[:40]
+            jsonschema.validate(json.loads(text.removeprefix(TOOL_NAME)), TOOL_SCHEMA)
+    except (ValueError, AssertionError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def _difference(record: StreamRecord, ref: StreamRecord) -> str:
@@ -329,7 +357,9 @@ def run_faults(
     reference = run_all(server.url, num_requests, args.max_tokens, None)
     print(
         f"reference: {num_requests} streams in {time.monotonic() - started:.1f} s, "
-        f"{sum(r.failed for r in reference)} failed"
+        f"{sum(r.failed for r in reference)} failed, {sum(not _valid(r) for r in reference)} "
+        f"JSON invalid, tool calls finished: "
+        f"{[r.finish_reasons.get(0) for r in reference if r.kind == 'tool']}"
     )
     return reference, [run_fault(server, fault, args, reference) for fault in faults]
 

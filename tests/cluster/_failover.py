@@ -65,18 +65,33 @@ def survivors_hold_no_block(url: str, victim: str) -> None:
 
 
 def stream(url: str, model: str, body: dict[str, Any], chunks: list[tuple[int, str]]) -> str | None:
-    """Stream a completion, appending each chunk's (choice index, text) to `chunks` as it comes;
-    returns the error event's message, if one came."""
+    """Stream a completion (a chat completion where `body` has messages), appending each chunk's
+    (choice index, text) to `chunks` as it comes; returns the error event's message, if one
+    came."""
     body = {**body, "model": model, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as reply:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=TIMEOUT_S) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line.removeprefix("data: "))
             if "error" in event:
                 return str(event["error"])
-            chunks.extend((choice["index"], choice["text"]) for choice in event["choices"])
+            chunks.extend((choice["index"], choice_text(choice)) for choice in event["choices"])
     return None
+
+
+def choice_text(choice: dict[str, Any]) -> str:
+    """A completion chunk's text; a chat chunk's content, then its tool calls' names and
+    arguments as they come."""
+    if "text" in choice:
+        return str(choice["text"])
+    delta = choice.get("delta") or {}
+    parts = [delta.get("content") or ""]
+    for call in delta.get("tool_calls") or []:
+        function = call.get("function") or {}
+        parts.append((function.get("name") or "") + (function.get("arguments") or ""))
+    return "".join(parts)
 
 
 def texts(chunks: list[tuple[int, str]]) -> dict[int, str]:

@@ -10,12 +10,14 @@ or stopped (SIGSTOP: alive, but answering nothing, as a wedged process).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
 from typing import Any, Iterator
 
 import httpx
+import jsonschema
 import pytest
 from _failover import (
     TIMEOUT_S,
@@ -129,6 +131,41 @@ def test_a_stream_whose_engine_dies_goes_on_token_exact(url: str, sampling: dict
     struck = strike_mid_stream(url, MODEL, body, 10, _kill_replica)
     assert struck.error is None
     assert struck.texts == struck.expected and struck.num_chunks > 10
+
+
+# A tool whose arguments run for a few dozen tokens and end well within the request's budget.
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "log_story",
+        "parameters": {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 40, "maxLength": 80}},
+            "required": ["story"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_tool_call_whose_engine_dies_goes_on_to_valid_arguments(url: str) -> None:
+    """A chat stream making a (named, so constrained) tool call: its engine dies mid-arguments,
+    the new engine replays them through the grammar, and the client gets the arguments of the
+    undisturbed request, whole and valid, in one stream."""
+    body = {
+        "messages": [{"role": "user", "content": "log a story that outlives its engine"}],
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "log_story"}},
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": 200,
+    }
+    struck = strike_mid_stream(url, MODEL, body, 10, _kill_replica)
+    assert struck.error is None
+    assert struck.texts == struck.expected and struck.num_chunks > 10
+    name, arguments = struck.texts[0][: len("log_story")], struck.texts[0][len("log_story") :]
+    assert name == "log_story"
+    jsonschema.validate(json.loads(arguments), TOOL["function"]["parameters"])
 
 
 def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: str) -> None:
