@@ -65,19 +65,22 @@ def survivors_hold_no_block(url: str, victim: str) -> None:
 
 
 def stream(url: str, model: str, body: dict[str, Any], chunks: list[tuple[int, str]]) -> str | None:
-    """Stream a completion (a chat completion where `body` has messages), appending each chunk's
-    (choice index, text) to `chunks` as it comes; returns the error event's message, if one
-    came."""
+    """Stream a completion (a chat completion where `body` has messages, a response where it has
+    an input), appending each chunk's (choice index, text) to `chunks` as it comes; returns the
+    error event's message, if one came."""
     body = {**body, "model": model, "stream": True}
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    path = "/v1/responses" if "input" in body else path
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=TIMEOUT_S) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: {"):
                 continue
             event = json.loads(line.removeprefix("data: "))
-            if "error" in event:
-                return str(event["error"])
-            chunks.extend((choice["index"], choice_text(choice)) for choice in event["choices"])
+            if "error" in event or event.get("type") in ("error", "response.failed"):
+                return str(event.get("error") or event)
+            if event.get("type") == "response.output_text.delta":
+                chunks.append((0, event["delta"]))
+            chunks.extend((c["index"], choice_text(c)) for c in event.get("choices", []))
     return None
 
 

@@ -168,6 +168,20 @@ def test_a_tool_call_whose_engine_dies_goes_on_to_valid_arguments(url: str) -> N
     jsonschema.validate(json.loads(arguments), TOOL["function"]["parameters"])
 
 
+def test_a_responses_api_stream_whose_engine_dies_goes_on_token_exact(url: str) -> None:
+    """The Responses API streams a chat generation: the same move, its output_text deltas the
+    undisturbed ones."""
+    body = {
+        "input": "a response that outlives its engine:",
+        "max_output_tokens": 60,
+        "temperature": 0,
+        "store": False,
+    }
+    struck = strike_mid_stream(url, MODEL, body, 10, _kill_replica)
+    assert struck.error is None
+    assert struck.texts == struck.expected and struck.num_chunks > 10
+
+
 def test_a_stream_on_a_stopped_engine_replica_moves_before_serve_gives_up(url: str) -> None:
     """A replica that holds a stream stops answering (its process is stopped): the ingress's
     probe finds it within seconds and the stream goes on, token-exact, on the other replica,
