@@ -4,12 +4,11 @@ cache — the property that lets a request resumed, recomputed or batched draw t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import pytest
 import torch
-from _paged_batch import assert_close, build_metadata, metadata_on_blocks, pool_size
+from _paged_batch import assert_close, metadata_on_blocks, random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,26 +41,15 @@ def _sequences() -> st.SearchStrategy[list[tuple[int, int]]]:
     sequences=_sequences(),
     shape=st.sampled_from([(4, 2, 64), (14, 2, 64), (8, 8, 128), (6, 2, 80)]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    seed=st.integers(0, 2**16),
 )
 def test_every_row_is_the_same_bits_as_that_row_computed_as_a_decode(
-    sequences: list[tuple[int, int]],
-    shape: tuple[int, int, int],
-    dtype: torch.dtype,
-    seed: int,
+    sequences: list[tuple[int, int]], shape: tuple[int, int, int], dtype: torch.dtype
 ) -> None:
-    heads, kv_heads, head_dim = shape
-    gen = torch.Generator().manual_seed(seed)
     query_lens = [q for q, _ in sequences]
     seq_lens = [q + context for q, context in sequences]
-    num_blocks = pool_size(seq_lens, BLOCK)
-    batch = build_metadata(query_lens, seq_lens, BLOCK, num_blocks, gen)
-    cache_shape = (num_blocks, BLOCK, kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    query = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
-    scale = 1.0 / math.sqrt(head_dim)
-
+    query, key_cache, value_cache, batch, scale = random_batch(
+        query_lens, seq_lens, *shape, BLOCK, dtype
+    )
     together = paged_attention(query, key_cache, value_cache, batch, scale)
     batch.scratch.clear()
     assert_close(together, torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))
@@ -79,18 +67,14 @@ def test_every_row_is_the_same_bits_as_that_row_computed_as_a_decode(
 
 
 def test_a_chunk_behind_a_cached_prefix_is_the_same_bits_as_the_whole_prompt() -> None:
-    gen = torch.Generator().manual_seed(5)
     length, cached = 300, 137
-    num_blocks = pool_size([length], BLOCK)
-    whole_batch = build_metadata([length], [length], BLOCK, num_blocks, gen)
-    cache_shape = (num_blocks, BLOCK, 2, 64)
-    key_cache = torch.randn(cache_shape, generator=gen)
-    value_cache = torch.randn(cache_shape, generator=gen)
-    query = torch.randn(length, 4, 64, generator=gen)
-    whole = paged_attention(query, key_cache, value_cache, whole_batch, 0.125)
+    query, key_cache, value_cache, whole_batch, scale = random_batch(
+        [length], [length], 4, 2, 64, BLOCK, torch.float32
+    )
+    whole = paged_attention(query, key_cache, value_cache, whole_batch, scale)
     suffix = metadata_on_blocks([length - cached], [length], whole_batch.block_tables, BLOCK)
     assert torch.equal(
-        paged_attention(query[cached:], key_cache, value_cache, suffix, 0.125), whole[cached:]
+        paged_attention(query[cached:], key_cache, value_cache, suffix, scale), whole[cached:]
     )
 
 
@@ -99,21 +83,17 @@ def test_the_opt_out_takes_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) 
     arithmetic (here: the torch reference's SDPA or the AVX-512 prefill kernel)."""
     monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "0")
     cpu_backend.exact_rows.cache_clear()
-    gen = torch.Generator().manual_seed(9)
     length = 200
-    num_blocks = pool_size([length], BLOCK)
-    batch = build_metadata([length], [length], BLOCK, num_blocks, gen)
-    cache_shape = (num_blocks, BLOCK, 2, 64)
-    key_cache = torch.randn(cache_shape, generator=gen)
-    value_cache = torch.randn(cache_shape, generator=gen)
-    query = torch.randn(length, 4, 64, generator=gen)
-    by_path = paged_attention(query, key_cache, value_cache, batch, 0.125)
+    query, key_cache, value_cache, batch, scale = random_batch(
+        [length], [length], 4, 2, 64, BLOCK, torch.float32
+    )
+    by_path = paged_attention(query, key_cache, value_cache, batch, scale)
     assert "cpu.rows" not in batch.scratch
     batch.scratch.clear()
-    assert_close(by_path, torch_ref.paged_attention(query, key_cache, value_cache, batch, 0.125))
+    assert_close(by_path, torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))
     differing = 0
     for position in range(length):
         alone = metadata_on_blocks([1], [position + 1], batch.block_tables, BLOCK)
-        one = paged_attention(query[position : position + 1], key_cache, value_cache, alone, 0.125)
+        one = paged_attention(query[position : position + 1], key_cache, value_cache, alone, scale)
         differing += not torch.equal(one[0], by_path[position])
     assert differing > 0  # what the default path exists to avoid
