@@ -1,28 +1,31 @@
-"""The CPU attention backend: C kernels that read K/V blocks in place, every query row computed
-the same way whichever step computes it.
+"""The CPU attention backend: C kernels that read K/V blocks in place; on request, every query
+row computed the same way whichever step computes it.
 
 In plain torch, attention costs a gather that copies each sequence's whole context per layer
-before SDPA reads it again. The C kernels walk the block tables instead.
+before SDPA reads it again. The C kernels walk the block tables instead: csrc/paged_decode_cpu.c
+for sequences with one new token, csrc/paged_prefill_cpu.c for prefill chunks (flash attention
+laid out for AVX-512, a cached prefix never copied). In bfloat16 a prefill chunk goes to torch's
+flash SDPA over its context gathered from the blocks (the C kernel computes bf16 in fp32 vector
+lanes, 5.7 ms a layer for a 512-token prompt of the Qwen2.5-0.5B shape, where SDPA's bf16 GEMMs
+take 1.6 ms and the gather 0.1; a row's result depends only on its own context, so prefix
+caching leaves it unchanged: tests/attention/test_cpu_backend_sdpa.py); where neither serves
+(no AVX-512, an odd head size), the torch reference's path.
 
-Exact by default: every query row, a decode's one or each of a prefill chunk's, goes through
-csrc/paged_decode_cpu.c as a row of its own (its position + 1 keys of its sequence's blocks), so
-its arithmetic depends only on its own context. The projections are oneDNN GEMMs whose rows do
-not depend on how many rows a call has (checked in tests/engine/test_exact_rows.py), so a token's
-logits are the same bits whether its context was computed in one prefill, in chunks, one decode
-step at a time, or read from the prefix cache: a request resumed on another engine (its output
-so far computed as a prefill), recomputed after preemption, or sampled beside others draws the
-same tokens, seeded sampling included. Prefill attention costs 10-20% more this way than SDPA's
-(measured on AVX2, 2026-12-06; docs/performance.md) and the step a few percent.
-
-`PAGEDRAY_EXACT_ATTENTION=0` gives each kind of row its fastest kernel instead, at the price of
-outputs that round by path: decodes the C decode kernel; prefill chunks csrc/paged_prefill_cpu.c
-(flash attention laid out for AVX-512, a cached prefix never copied), in bfloat16 torch's flash
-SDPA over the context gathered from the blocks (the C kernel computes bf16 in fp32 vector lanes,
-5.7 ms a layer for a 512-token prompt of the Qwen2.5-0.5B shape, where SDPA's bf16 GEMMs take 1.6
-ms and the gather 0.1; a row's result depends only on its own context, so prefix caching leaves
-it unchanged: tests/attention/test_cpu_backend_sdpa.py), and where neither serves (no AVX-512, an
-odd head size) the torch reference's path. Storing K/V and copying blocks are the reference's
-own, already single indexed copies.
+Those kernels round differently: a token's logits differ in their last bits between a context
+computed by prefill and the same context computed one decode step at a time. Where that matters
+(a seeded stream resumed on another engine computes its output so far as a prefill; a
+preempted request recomputes; a later turn reads blocks that decode steps wrote), a draw that
+falls within that rounding of a token's boundary picks another token (about one sampled stream
+in 17-30 resumed on the default model). `PAGEDRAY_EXACT_ATTENTION=1` (vLLM's
+`VLLM_BATCH_INVARIANT` is the like) runs every query row, a decode's or a prefill chunk's,
+through csrc/paged_decode_cpu.c as a row of its own (its position + 1 keys of its sequence's
+blocks), so its arithmetic depends on its own context only; the projections are oneDNN GEMMs
+whose rows do not depend on how many rows a call has, so a token's logits are then the same bits
+by every path (tests/engine/test_exact_rows.py), on CPUs of one instruction set (the kernels
+and oneDNN compile for the CPU they run on). Its price is prefill attention without the tile
+reuse of the prefill kernels: 10% slower at 512 tokens, 2-2.7x at 2,048-4,096
+(docs/performance.md). Storing K/V and copying blocks are the reference's own, already single
+indexed copies.
 """
 
 from __future__ import annotations
@@ -51,21 +54,7 @@ def paged_attention(
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if exact_rows() and cpu_kernels.supports(query.dtype):
-        rows = metadata.scratch.get("cpu.rows")
-        if rows is None:  # the same for every layer of the step
-            rows = metadata.scratch["cpu.rows"] = _plan_rows(metadata)
-        cpu_kernels.paged_decode(
-            query,
-            key_cache,
-            value_cache,
-            rows.block_tables,
-            rows.seq_lens,
-            rows.query_start_loc,
-            rows.seqs,
-            rows.max_seq_len,
-            scale,
-            out,
-        )
+        attend_rows(query, key_cache, value_cache, metadata, scale, out)
         return out
     if not cpu_kernels.supports(query.dtype):
         torch_ref.attend_decodes(query, key_cache, value_cache, metadata, scale, out)
@@ -108,6 +97,33 @@ def paged_attention(
     else:
         torch_ref.attend_extends(query, key_cache, value_cache, metadata, scale, out)
     return out
+
+
+def attend_rows(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], every row written
+) -> None:
+    """Every query row through the decode kernel as a sequence of its own (see the module)."""
+    rows = metadata.scratch.get("cpu.rows")
+    if rows is None:  # the same for every layer of the step
+        rows = metadata.scratch["cpu.rows"] = _plan_rows(metadata)
+    cpu_kernels.paged_decode(
+        query,
+        key_cache,
+        value_cache,
+        metadata.block_tables,
+        rows.seq_lens,
+        rows.query_start_loc,
+        rows.seqs,
+        rows.max_seq_len,
+        scale,
+        out,
+        table_rows=rows.table_rows,
+    )
 
 
 def attend_extends_by_sdpa(
@@ -170,40 +186,38 @@ EXACT_ATTENTION_ENV = "PAGEDRAY_EXACT_ATTENTION"
 
 @functools.cache
 def exact_rows() -> bool:
-    """Whether every query row goes through the one row kernel (the default; see the module)."""
-    return os.environ.get(EXACT_ATTENTION_ENV, "1") != "0"
+    """Whether every query row goes through the one row kernel (see the module)."""
+    return os.environ.get(EXACT_ATTENTION_ENV, "0") == "1"
 
 
 class _Rows(NamedTuple):
-    """paged_decode's batch arguments with every query row a sequence of its own: row r of a
-    chunk that starts at position p sees p + r + 1 keys of its sequence's blocks."""
+    """paged_decode's arguments with every query row a sequence of its own: row r of a chunk
+    whose first new token is at position p sees p + r + 1 keys of its sequence's blocks."""
 
-    block_tables: torch.Tensor  # [num_rows, max_blocks] int32: its sequence's table
-    seq_lens: torch.Tensor  # [num_rows] int32
-    query_start_loc: torch.Tensor  # [num_rows + 1] int32
-    seqs: torch.Tensor  # [num_rows] int64
+    seq_lens: torch.Tensor  # [num_rows] int32: keys each row sees
+    query_start_loc: torch.Tensor  # [num_rows + 1] int32: row i is query row i
+    seqs: torch.Tensor  # [num_rows] int64: the rows to compute
     max_seq_len: int
+    table_rows: torch.Tensor | None  # [num_rows] int64: its sequence's block table; None: itself
 
 
 def _plan_rows(metadata: AttentionMetadata) -> _Rows:
     max_seq_len = max(metadata.seq_lens_cpu, default=0)
     if metadata.max_query_len <= 1:  # decodes only: each sequence is its one row already
         seqs = torch.tensor(torch_ref.decode_seqs(metadata), dtype=torch.int64)
-        return _Rows(
-            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, seqs, max_seq_len
-        )
-    starts = torch.tensor(metadata.query_start_loc_cpu, dtype=torch.int64)
-    query_lens = starts[1:] - starts[:-1]
+        return _Rows(metadata.seq_lens, metadata.query_start_loc, seqs, max_seq_len, None)
+    starts = torch.tensor(metadata.query_start_loc_cpu, dtype=torch.int64)  # [num_seqs + 1]
+    query_lens = starts[1:] - starts[:-1]  # [num_seqs]
     num_rows = int(starts[-1])
-    seq_of_row = torch.repeat_interleave(torch.arange(metadata.num_seqs), query_lens)
+    seq_of_row = torch.repeat_interleave(torch.arange(metadata.num_seqs), query_lens)  # [rows]
     first_position = torch.tensor(metadata.seq_lens_cpu, dtype=torch.int64) - query_lens
     row_lens = first_position[seq_of_row] + torch.arange(num_rows) - starts[seq_of_row] + 1
     return _Rows(
-        metadata.block_tables.index_select(0, seq_of_row.to(metadata.block_tables.device)),
         row_lens.to(torch.int32),
         torch.arange(num_rows + 1, dtype=torch.int32),
         torch.arange(num_rows, dtype=torch.int64),
         max_seq_len,
+        seq_of_row,
     )
 
 

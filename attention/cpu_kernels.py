@@ -56,7 +56,7 @@ _OPENMP_CHOICES = (("-fopenmp",), ())
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
-_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
+_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64, _PTR]
 
 
 # paged_decode_*'s return codes besides 0 (see the C source).
@@ -93,11 +93,17 @@ def paged_decode(
     max_seq_len: int,  # at least the longest seq_len among decode_seqs
     scale: float,
     out: torch.Tensor,  # like query: rows of the decode sequences are written
+    table_rows: torch.Tensor | None = None,  # [num_seqs] int64: sequence i's block_tables row
 ) -> None:
     """Attention of each decode sequence's one query token over its context, read in place."""
     num_decodes = decode_seqs.numel()
     if num_decodes == 0:
         return
+    if table_rows is not None:
+        if table_rows.dtype != torch.int64 or not table_rows.is_contiguous():
+            raise ValueError(f"table_rows: expected a contiguous int64 tensor, got {table_rows}")
+        if table_rows.numel() and int(table_rows.max()) >= block_tables.shape[0]:
+            raise ValueError("table_rows names a row past block_tables")
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     seq_lens, query_start_loc, decode_seqs = _checked(
@@ -119,6 +125,7 @@ def paged_decode(
         out.data_ptr(),
         out.stride(0),
         torch.get_num_threads(),
+        None if table_rows is None else table_rows.data_ptr(),
     )
     if status == _BAD_LENGTH:
         raise ValueError(f"a decode's seq_len is outside [1, max_seq_len={max_seq_len}]")

@@ -22,7 +22,8 @@
  * Layout (the same as the torch and Triton backends):
  *   query        [num_tokens, num_heads, head_dim], rows `query_stride` elements apart
  *   key/value    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
- *   block_tables [num_seqs, block_table_stride] int32
+ *   block_tables [num_seqs, block_table_stride] int32; sequence s reads row table_rows[s]
+ *                where table_rows is given (rows of one prefill chunk share their sequence's)
  *   out          [num_tokens, num_heads, head_dim], rows `out_stride` elements apart
  * Query head h reads KV head h / G, G = num_heads / num_kv_heads (GQA).
  */
@@ -65,10 +66,14 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
 }
 #endif
 
-/* Scratch per thread, in floats: scores [num_heads][max_seq_len], query and output accumulators
+/* Scratch per thread, in floats: scores [num_heads][score_stride], query and output accumulators
  * [num_heads][head_dim], one converted K/V token row [num_kv_heads][head_dim]. */
-#define SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len) \
-    ((num_heads) * (max_seq_len) + 2 * (num_heads) * (head_dim) + (num_kv_heads) * (head_dim))
+#define SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, score_stride) \
+    ((num_heads) * (score_stride) + 2 * (num_heads) * (head_dim) + (num_kv_heads) * (head_dim))
+/* A row of scores starts 64-byte aligned (the scratch is, the stride a multiple of 16 floats),
+ * whatever the batch's longest sequence: a vectorized loop the compiler peels for alignment then
+ * sums a row in the same order in every batch, which a row's result must not depend on. */
+#define SCORE_STRIDE(max_seq_len) (((max_seq_len) + 15) / 16 * 16)
 
 /* Kept per thread across calls (OpenMP's threads persist): no allocation per layer call. It
  * grows to the largest batch seen and lives as long as the thread. */
@@ -78,13 +83,14 @@ static _Thread_local size_t thread_scratch_floats = 0;
 static float* scratch_for(size_t floats) {
     if (floats > thread_scratch_floats) {
         free(thread_scratch);
-        thread_scratch = (float*)malloc(sizeof(float) * floats);
+        thread_scratch = (float*)aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
         thread_scratch_floats = thread_scratch == NULL ? 0 : floats;
     }
     return thread_scratch;
 }
 
-/* Query heads of KV heads [kv_begin, kv_end) of one sequence, for element type T. `head_dim`
+/* Query heads of KV heads [kv_begin, kv_end) of one sequence, for element type T (here and in
+ * the AVX-512 variant, `max_seq_len` is the scores' row stride: SCORE_STRIDE). `head_dim`
  * is a compile-time constant at the call sites for the common sizes, which lets the compiler
  * unroll the dot products fully. Rows of scores and accumulators are indexed by query head. */
 #define DEFINE_ATTEND_SEQUENCE(SUFFIX, T)                                                           \
@@ -315,7 +321,7 @@ static inline void softmax_avx512(float* s, int64_t len) {
  * common one. */
 #define ATTEND_ARGS(HEAD_DIM)                                                                     \
     q, key_cache, value_cache, table, len, num_heads, num_kv_heads, kv_begin, kv_end, (HEAD_DIM), \
-        block_size, max_seq_len, scale, o, scratch
+        block_size, score_stride, scale, o, scratch
 /* FAST: attend_sequence_avx512_* where this CPU and element type have it, for head sizes that are
  * a multiple of 16 up to 256; else the portable attend_sequence_* again. */
 #define DEFINE_PAGED_DECODE(SUFFIX, T, FAST)                                                        \
@@ -324,14 +330,16 @@ static inline void softmax_avx512(float* s, int64_t len) {
         const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,         \
         const int32_t* query_start_loc, const int64_t* decode_seqs, int64_t num_decodes,          \
         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,            \
-        int64_t max_seq_len, float scale, T* out, int64_t out_stride, int64_t num_threads) {      \
+        int64_t max_seq_len, float scale, T* out, int64_t out_stride, int64_t num_threads,        \
+        const int64_t* table_rows) {                                                              \
         int status = PAGED_DECODE_OK;                                                             \
+        const int64_t score_stride = SCORE_STRIDE(max_seq_len);                                   \
         const int64_t splits = num_decodes >= 2 * num_threads ? 1 : num_kv_heads;                 \
         const int64_t kv_per_item = num_kv_heads / splits;                                        \
         const int fast = head_dim % 16 == 0 && head_dim <= 16 * MAX_VECS &&                        \
                          num_heads / num_kv_heads <= MAX_GROUP;                                   \
         const size_t scratch_floats =                                                             \
-            (size_t)SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, max_seq_len);              \
+            (size_t)SCRATCH_FLOATS(num_heads, num_kv_heads, head_dim, score_stride);             \
         (void)num_threads; /* without OpenMP: one thread */                                       \
         PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(num_threads))                    \
         for (int64_t item = 0; item < num_decodes * splits; ++item) {                             \
@@ -347,7 +355,8 @@ static inline void softmax_avx512(float* s, int64_t len) {
             const int64_t row = query_start_loc[seq];                                             \
             const T* q = query + row * query_stride;                                              \
             T* o = out + row * out_stride;                                                        \
-            const int32_t* table = block_tables + seq * block_table_stride;                       \
+            const int64_t table_row = table_rows == NULL ? seq : table_rows[seq];                 \
+            const int32_t* table = block_tables + table_row * block_table_stride;                 \
             const int64_t kv_end = kv_begin + kv_per_item;                                        \
             if (fast) {                                                                           \
                 switch (head_dim) {                                                               \

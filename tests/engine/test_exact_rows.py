@@ -1,19 +1,21 @@
-"""A token's logits are the same bits however its context was computed — in one prefill, in
-chunks, one decode step at a time, beside other requests, or read from the prefix cache — so a
-request resumed on another engine, recomputed after preemption or batched with others draws the
-same tokens, sampled ones included. Real engines on the tiny models, in-process; the CPU
-backend's exact rows (attention/cpu_backend.py) and row-independent GEMMs make it so."""
+"""With `PAGEDRAY_EXACT_ATTENTION=1`, a token's logits are the same bits however its context was
+computed — in one prefill, in chunks, one decode step at a time, beside other requests, or read
+from the prefix cache — so a request resumed on another engine, recomputed after preemption or
+batched with others draws the same tokens, sampled ones included. Real engines on the tiny
+models, in-process; the CPU backend's exact rows (attention/cpu_backend.py) and row-independent
+GEMMs make it so."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedray.attention import cpu_kernels
+from pagedray.attention import cpu_backend, cpu_kernels
 from pagedray.llm import LLM
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -22,6 +24,15 @@ from pagedray.workers.layers.gemm import linear, pack
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
 )
+
+
+@pytest.fixture(autouse=True)
+def _exact_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "1")
+    cpu_backend.exact_rows.cache_clear()
+    yield
+    cpu_backend.exact_rows.cache_clear()
+
 
 MAX_TOKENS = 24
 WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -87,9 +98,12 @@ def test_a_tokens_logprob_is_the_same_bits_by_every_path(
     )
     assert _chosen_logprobs(_run(chunked, [prompt], WITH_LOGPROBS)[0]) == expected
 
-    # Behind a prefix read from the cache, computed by another request's decode steps.
+    # Behind a prefix read from the cache: the prompt's blocks computed by a prefill, then the
+    # blocks of its output by decode steps, which a later turn reads back.
     cached = LLM(tiny_models[arch], dtype="float32", enable_prefix_caching=True)
-    _run(cached, [prompt[:40]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    [behind_prefix] = _run(cached, [prompt], WITH_LOGPROBS)
-    assert behind_prefix.num_cached_tokens > 0
-    assert _chosen_logprobs(behind_prefix) == expected
+    assert _chosen_logprobs(_run(cached, [prompt], WITH_LOGPROBS)[0]) == expected
+    cut = MAX_TOKENS - 1
+    single = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=1)
+    [next_turn] = _run(cached, [prompt + tokens[:cut]], single)
+    assert next_turn.num_cached_tokens > len(prompt)  # decode-written blocks among them
+    assert _chosen_logprobs(next_turn) == [expected[cut]]
