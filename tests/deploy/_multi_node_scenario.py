@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,8 +67,9 @@ def run_scenario(model: str, timeout_s: float, script: str = __file__) -> dict[s
         left = kill_all(started, 30)
     output = log_path.read_text(errors="replace")
     lines = [line for line in output.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, output[-5000:]
+    assert proc.returncode == 0 and lines, f"{output[-5000:]}\n(Ray's logs: {workdir})"
     assert not left, f"processes outlived the scenario: {left}"
+    shutil.rmtree(workdir, ignore_errors=True)  # kept where it failed: its Ray logs say why
     return json.loads(lines[-1][len("REPORT ") :])
 
 
