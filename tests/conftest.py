@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import clone_only
 import pytest
@@ -42,6 +43,31 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, str]) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture
+def exact_attention(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The CPU backend's exact rows for this test (`PAGEDRAY_EXACT_ATTENTION=1`)."""
+    yield from _attention_setting(monkeypatch, "1")
+
+
+@pytest.fixture
+def attention_by_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The CPU backend's default kernels for this test, whatever the environment says."""
+    yield from _attention_setting(monkeypatch, None)
+
+
+def _attention_setting(monkeypatch: pytest.MonkeyPatch, value: str | None) -> Iterator[None]:
+    from pagedray.attention import cpu_backend
+
+    if value is None:
+        monkeypatch.delenv(cpu_backend.EXACT_ATTENTION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, value)
+    cpu_backend.exact_rows.cache_clear()  # the backend reads the setting once
+    yield
+    monkeypatch.undo()
+    cpu_backend.exact_rows.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -5,15 +5,13 @@ draw the same tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from _paged_batch import assert_close, metadata_on_blocks, random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedray.attention import cpu_backend, cpu_kernels, torch_ref
+from pagedray.attention import cpu_kernels, torch_ref
 from pagedray.attention.cpu_backend import paged_attention
 
 pytestmark = pytest.mark.skipif(
@@ -23,20 +21,13 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 16
 
 
-@pytest.fixture(autouse=True)
-def _exact_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "1")
-    cpu_backend.exact_rows.cache_clear()
-    yield
-    cpu_backend.exact_rows.cache_clear()
-
-
 def _sequences() -> st.SearchStrategy[list[tuple[int, int]]]:
     """(query_len, context before the step) per sequence: decodes, fresh and cached prefills."""
     one = st.tuples(st.integers(1, 70), st.integers(0, 90))
     return st.lists(one, min_size=1, max_size=5)
 
 
+@pytest.mark.usefixtures("exact_attention")
 @settings(max_examples=25, deadline=None)
 @given(
     sequences=_sequences(),
@@ -67,6 +58,7 @@ def test_every_row_is_the_same_bits_as_that_row_computed_as_a_decode(
             row += 1
 
 
+@pytest.mark.usefixtures("exact_attention")
 def test_a_chunk_behind_a_cached_prefix_is_the_same_bits_as_the_whole_prompt() -> None:
     length, cached = 300, 137
     query, key_cache, value_cache, whole_batch, scale = random_batch(
@@ -79,11 +71,10 @@ def test_a_chunk_behind_a_cached_prefix_is_the_same_bits_as_the_whole_prompt() -
     )
 
 
-def test_by_default_prefill_rows_take_the_prefill_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("attention_by_path")
+def test_by_default_prefill_rows_take_the_prefill_kernels() -> None:
     """Without the setting, prefill rows go by their own kernel (the torch reference's SDPA or
     the AVX-512 prefill kernel), close to the reference."""
-    monkeypatch.delenv(cpu_backend.EXACT_ATTENTION_ENV)
-    cpu_backend.exact_rows.cache_clear()
     length = 200
     query, key_cache, value_cache, batch, scale = random_batch(
         [length], [length], 4, 2, 64, BLOCK, torch.float32

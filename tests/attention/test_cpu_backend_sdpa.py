@@ -6,24 +6,18 @@ sequences in the batch."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 from _paged_batch import assert_close, build_metadata, metadata_on_blocks, pool_size
 
-from pagedray.attention import cpu_backend, torch_ref
+from pagedray.attention import torch_ref
 from pagedray.attention.cpu_backend import paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention
 
 
-@pytest.fixture(autouse=True)
-def _by_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "0")
-    cpu_backend.exact_rows.cache_clear()
-    yield
-    cpu_backend.exact_rows.cache_clear()
+pytestmark = pytest.mark.usefixtures("attention_by_path")
 
 
 @pytest.mark.parametrize(

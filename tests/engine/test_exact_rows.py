@@ -9,29 +9,23 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedray.attention import cpu_backend, cpu_kernels
+from pagedray.attention import cpu_kernels
 from pagedray.llm import LLM
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.layers.gemm import linear, pack
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
-)
-
-
-@pytest.fixture(autouse=True)
-def _exact_rows(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "1")
-    cpu_backend.exact_rows.cache_clear()
-    yield
-    cpu_backend.exact_rows.cache_clear()
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
+    ),
+    pytest.mark.usefixtures("exact_attention"),
+]
 
 
 MAX_TOKENS = 24

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from pagedray.attention import cpu_backend
 from pagedray.engine.async_engine import AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
@@ -84,16 +83,15 @@ def test_a_resumed_request_continues_token_exact(tiny_llama: str, case: str) -> 
     asyncio.run(run())
 
 
+@pytest.mark.usefixtures("exact_attention")
 def test_a_sampled_stream_resumed_at_any_token_goes_on_with_the_same_tokens(
-    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: str,
 ) -> None:
     """Temperature 1 and a seed, as most sampled streams that move are: the resumed context is
     computed as one prefill where the first engine computed it a decode step at a time, and the
     logits must be the same bits for every draw to land on the same token (the CPU backend's
     exact rows, `PAGEDRAY_EXACT_ATTENTION=1`; without them about one stream in 17-30 departs on
     the default model)."""
-    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "1")
-    cpu_backend.exact_rows.cache_clear()
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
 
     async def run() -> None:
@@ -106,11 +104,7 @@ def test_a_sampled_stream_resumed_at_any_token_goes_on_with_the_same_tokens(
                 assert resumed == whole[cut:], (number, cut)
         await engine.shutdown()
 
-    try:
-        asyncio.run(run())
-    finally:
-        monkeypatch.undo()
-        cpu_backend.exact_rows.cache_clear()
+    asyncio.run(run())
 
 
 def test_only_a_request_of_one_choice_resumes(tiny_llama: str) -> None:
