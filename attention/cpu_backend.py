@@ -1,31 +1,30 @@
-"""The CPU attention backend: C kernels that read K/V blocks in place; on request, every query
-row computed the same way whichever step computes it.
+"""The CPU attention backend: C kernels that read K/V blocks in place, every query row computed
+in an order fixed by its own context, whichever step computes it.
 
 In plain torch, attention costs a gather that copies each sequence's whole context per layer
-before SDPA reads it again. The C kernels walk the block tables instead: csrc/paged_decode_cpu.c
-for sequences with one new token, csrc/paged_prefill_cpu.c for prefill chunks (flash attention
-laid out for AVX-512, a cached prefix never copied). In bfloat16 a prefill chunk goes to torch's
-flash SDPA over its context gathered from the blocks (the C kernel computes bf16 in fp32 vector
-lanes, 5.7 ms a layer for a 512-token prompt of the Qwen2.5-0.5B shape, where SDPA's bf16 GEMMs
-take 1.6 ms and the gather 0.1; a row's result depends only on its own context, so prefix
-caching leaves it unchanged: tests/attention/test_cpu_backend_sdpa.py); where neither serves
-(no AVX-512, an odd head size), the torch reference's path.
+before SDPA reads it again. The C kernels walk the block tables instead.
 
-Those kernels round differently: a token's logits differ in their last bits between a context
-computed by prefill and the same context computed one decode step at a time. Where that matters
-(a seeded stream resumed on another engine computes its output so far as a prefill; a
-preempted request recomputes; a later turn reads blocks that decode steps wrote), a draw that
-falls within that rounding of a token's boundary picks another token (about one sampled stream
-in 17-30 resumed on the default model). `PAGEDRAY_EXACT_ATTENTION=1` (vLLM's
-`VLLM_BATCH_INVARIANT` is the like) runs every query row, a decode's or a prefill chunk's,
-through csrc/paged_decode_cpu.c as a row of its own (its position + 1 keys of its sequence's
-blocks), so its arithmetic depends on its own context only; the projections are oneDNN GEMMs
-whose rows do not depend on how many rows a call has, so a token's logits are then the same bits
-by every path (tests/engine/test_exact_rows.py), on CPUs of one instruction set (the kernels
-and oneDNN compile for the CPU they run on). Its price is prefill attention without the tile
-reuse of the prefill kernels: 10% slower at 512 tokens, 2-2.7x at 2,048-4,096
-(docs/performance.md). Storing K/V and copying blocks are the reference's own, already single
-indexed copies.
+By default every row, a decode's or a prefill chunk's, goes through csrc/paged_rows_cpu.c
+(attention/cpu_row_tiles.py): tiles of up to 16 consecutive rows of one sequence share each key
+and value block read, and each (row, key) pair goes through one fixed sequence of operations, so
+a row's result depends on its own context only. The projections are oneDNN GEMMs whose rows do
+not depend on how many rows a call has, so a token's logits are the same bits whether its
+context was computed by a prefill, in chunks, one decode step at a time, beside other requests
+or behind a prefix that decode steps wrote (tests/engine/test_exact_rows.py), on CPUs of one
+instruction set (the kernels and oneDNN compile for the CPU they run on). That is what lets a
+seeded stream resumed on another engine, a preempted request recomputed, or a turn behind a
+cached prefix draw the tokens it would have drawn (without it, about one sampled stream in 17-30
+resumed on the default model departed). Float16 and head sizes the tile kernel does not take go
+through csrc/paged_decode_cpu.c one row at a time, with the same property.
+
+`PAGEDRAY_EXACT_ATTENTION=0` takes the kernels by path instead: csrc/paged_decode_cpu.c for
+sequences with one new token (AVX-512 where the CPU has it), csrc/paged_prefill_cpu.c for
+prefill chunks (flash attention laid out for AVX-512, a cached prefix never copied), torch's
+flash SDPA for bfloat16 chunks and where neither serves (no AVX-512, an odd head size). They
+round a row differently by path. Measured on a 2-core AVX2 VM (docs/performance.md), the tiles
+cost nothing against them: a prompt's attention in 0.45x the time at 512 tokens and 1.0x at
+2-4K (Qwen2.5-0.5B's heads), decodes 0.7-0.8x with GQA and 1.0-1.1x without. Storing K/V and
+copying blocks are the reference's own, already single indexed copies.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedray.attention import cpu_kernels, torch_ref
+from pagedray.attention import cpu_kernels, cpu_row_tiles, torch_ref
 from pagedray.attention.interface import AttentionBackend
 from pagedray.attention.metadata import AttentionMetadata
 
@@ -107,7 +106,19 @@ def attend_rows(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], every row written
 ) -> None:
-    """Every query row through the decode kernel as a sequence of its own (see the module)."""
+    """Every query row computed in an order fixed by its own context (see the module): through
+    the row-tile kernel, or where it does not serve (float16, a head size it does not take),
+    through the decode kernel as a sequence of its own."""
+    if cpu_row_tiles.supports(query.dtype, query.shape[-1]):
+        tiles = metadata.scratch.get("cpu.tiles")
+        if tiles is None:  # the same for every layer of the step
+            tiles = metadata.scratch["cpu.tiles"] = cpu_row_tiles.plan_tiles(
+                metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+            )
+        cpu_row_tiles.paged_rows(
+            query, key_cache, value_cache, metadata.block_tables, tiles, scale, out
+        )
+        return
     rows = metadata.scratch.get("cpu.rows")
     if rows is None:  # the same for every layer of the step
         rows = metadata.scratch["cpu.rows"] = _plan_rows(metadata)
@@ -186,8 +197,9 @@ EXACT_ATTENTION_ENV = "PAGEDRAY_EXACT_ATTENTION"
 
 @functools.cache
 def exact_rows() -> bool:
-    """Whether every query row goes through the one row kernel (see the module)."""
-    return os.environ.get(EXACT_ATTENTION_ENV, "0") == "1"
+    """Whether every query row is computed in an order fixed by its own context (see the
+    module): yes unless the setting is 0."""
+    return os.environ.get(EXACT_ATTENTION_ENV, "1") != "0"
 
 
 class _Rows(NamedTuple):

@@ -39,11 +39,12 @@ CFunction = Any
 
 logger = logging.getLogger(__name__)
 
-# One library: paged decode and prefill attention, and the decoder layer's element-wise ops that
-# workers/layers/cpu_ops.py calls.
+# One library: paged decode, prefill and row-tile attention (attention/cpu_row_tiles.py), and the
+# decoder layer's element-wise ops that workers/layers/cpu_ops.py calls.
 SOURCES = (
     Path(__file__).parent / "csrc" / "paged_decode_cpu.c",
     Path(__file__).parent / "csrc" / "paged_prefill_cpu.c",
+    Path(__file__).parent / "csrc" / "paged_rows_cpu.c",
     Path(__file__).parent / "csrc" / "layer_ops_cpu.c",
 )
 HEADERS = (Path(__file__).parent / "csrc" / "cpu_simd.h",)  # hashed into the build key
@@ -145,6 +146,25 @@ def _checked(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raises ValueError where the kernels' layout assumptions do not hold; returns seq_lens,
     query_start_loc and seqs contiguous."""
+    check_layout(query, key_cache, value_cache, block_tables, out)
+    for name, t, dtype in (
+        ("seq_lens", seq_lens, torch.int32),
+        ("query_start_loc", query_start_loc, torch.int32),
+        ("decode_seqs", seqs, torch.int64),
+    ):
+        check_index_tensor(name, t, dtype)
+    return seq_lens.contiguous(), query_start_loc.contiguous(), seqs.contiguous()
+
+
+def check_layout(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raises ValueError where the layout every kernel here reads does not hold: heads of query
+    and out contiguous, caches contiguous, one dtype, whole GQA groups, int32 block tables."""
     _, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     for name, t in (("query", query), ("out", out)):
@@ -161,15 +181,12 @@ def _checked(
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    for name, t, dtype in (
-        ("block_tables", block_tables, torch.int32),
-        ("seq_lens", seq_lens, torch.int32),
-        ("query_start_loc", query_start_loc, torch.int32),
-        ("decode_seqs", seqs, torch.int64),
-    ):
-        if t.dtype != dtype or t.device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
-    return seq_lens.contiguous(), query_start_loc.contiguous(), seqs.contiguous()
+    check_index_tensor("block_tables", block_tables, torch.int32)
+
+
+def check_index_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.dtype} on {t.device}")
 
 
 def _batch_args(

@@ -47,23 +47,22 @@ def tiny_llama(tiny_models: dict[str, str]) -> str:
 
 @pytest.fixture
 def exact_attention(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The CPU backend's exact rows for this test (`PAGEDRAY_EXACT_ATTENTION=1`)."""
+    """The CPU backend's exact rows for this test (`PAGEDRAY_EXACT_ATTENTION=1`, the default),
+    whatever the environment says."""
     yield from _attention_setting(monkeypatch, "1")
 
 
 @pytest.fixture
 def attention_by_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The CPU backend's default kernels for this test, whatever the environment says."""
-    yield from _attention_setting(monkeypatch, None)
+    """The CPU backend's kernels by path for this test (`PAGEDRAY_EXACT_ATTENTION=0`), whatever
+    the environment says."""
+    yield from _attention_setting(monkeypatch, "0")
 
 
-def _attention_setting(monkeypatch: pytest.MonkeyPatch, value: str | None) -> Iterator[None]:
+def _attention_setting(monkeypatch: pytest.MonkeyPatch, value: str) -> Iterator[None]:
     from pagedray.attention import cpu_backend
 
-    if value is None:
-        monkeypatch.delenv(cpu_backend.EXACT_ATTENTION_ENV, raising=False)
-    else:
-        monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, value)
+    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, value)
     cpu_backend.exact_rows.cache_clear()  # the backend reads the setting once
     yield
     monkeypatch.undo()

@@ -72,14 +72,14 @@ def test_a_chunk_behind_a_cached_prefix_is_the_same_bits_as_the_whole_prompt() -
 
 
 @pytest.mark.usefixtures("attention_by_path")
-def test_by_default_prefill_rows_take_the_prefill_kernels() -> None:
-    """Without the setting, prefill rows go by their own kernel (the torch reference's SDPA or
-    the AVX-512 prefill kernel), close to the reference."""
+def test_with_the_setting_off_prefill_rows_take_the_prefill_kernels() -> None:
+    """With `PAGEDRAY_EXACT_ATTENTION=0`, prefill rows go by their own kernel (the torch
+    reference's SDPA or the AVX-512 prefill kernel), close to the reference."""
     length = 200
     query, key_cache, value_cache, batch, scale = random_batch(
         [length], [length], 4, 2, 64, BLOCK, torch.float32
     )
     by_path = paged_attention(query, key_cache, value_cache, batch, scale)
-    assert "cpu.rows" not in batch.scratch
+    assert "cpu.rows" not in batch.scratch and "cpu.tiles" not in batch.scratch
     batch.scratch.clear()
     assert_close(by_path, torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))

@@ -1,5 +1,5 @@
-"""The C paged-attention kernels (the CPU backend: decode and prefill) against the plain-torch
-reference.
+"""The C paged-attention kernels (the CPU backend: row tiles, and by path decode and prefill)
+against the plain-torch reference.
 
 Also how the kernel library is built: cached per machine, safe to build from several processes at
 once, harmless to the process that loads it, and replaced by the torch reference where no C
@@ -32,12 +32,22 @@ pytestmark = pytest.mark.skipif(
 _check = functools.partial(check_against_reference, CPU_BACKEND.paged_attention)
 
 
+@pytest.fixture(params=["exact_attention", "attention_by_path"])
+def attention_setting(request: pytest.FixtureRequest) -> str:
+    """A test of the backend's output on both of its settings: exact rows (the row-tile kernel)
+    and by path (the decode kernel, the prefill kernel or SDPA)."""
+    request.getfixturevalue(request.param)
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("attention_setting")
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype) -> None:
     # seq_len 1: no cached context; 32: ends exactly on a block boundary for every block size.
     _check([1] * 4, [1, 32, 45, 97], num_heads, num_kv_heads, head_dim, block_size, dtype)
 
 
+@pytest.mark.usefixtures("attention_setting")
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype", SHAPES)
 def test_mixed_batch_matches_reference(
     num_heads, num_kv_heads, head_dim, block_size, dtype
@@ -49,24 +59,27 @@ def test_mixed_batch_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefills_over_cached_context(dtype: torch.dtype) -> None:
+def test_long_prefills_over_cached_context(dtype: torch.dtype, attention_setting: str) -> None:
     # Many query tiles and key chunks; a 600-token cached prefix read in place; odd lengths.
-    if not cpu_kernels.prefill_supported(dtype, 64):
+    if attention_setting == "attention_by_path" and not cpu_kernels.prefill_supported(dtype, 64):
         pytest.skip("no AVX-512 here: prefill chunks take the torch path")
     _check([300, 1, 70, 33], [900, 30, 70, 34], 8, 2, 64, 16, dtype)
     _check([129, 17], [129, 1040], 4, 4, 128, 32, dtype)
 
 
+@pytest.mark.usefixtures("attention_setting")
 def test_float16() -> None:
     if not cpu_kernels.supports(torch.float16):
         pytest.skip("this C compiler has no _Float16")
     _check([1, 1, 5], [7, 200, 40], 8, 2, 64, 16, torch.float16)
 
 
+@pytest.mark.usefixtures("attention_setting")
 def test_long_decodes() -> None:
     _check([1] * 5, [1500, 600, 257, 3, 1024], 4, 2, 64, 16, torch.float32)
 
 
+@pytest.mark.usefixtures("attention_setting")
 def test_query_as_view_of_fused_projection() -> None:
     """The model hands over q as a strided view of its fused qkv output."""
     query, key_cache, value_cache, metadata, scale = random_batch(
@@ -88,6 +101,7 @@ def test_kernel_runs_on_torchs_thread_count() -> None:
     assert cpu_kernels.parallel_width(1) == 1
 
 
+@pytest.mark.usefixtures("attention_setting")
 @pytest.mark.parametrize("seq_lens", [[1000], [300, 5, 77, 129, 16, 1000]], ids=["one", "six"])
 def test_same_bits_on_one_and_two_threads(seq_lens: list[int]) -> None:
     """One decode on two threads splits by KV head; more go one sequence a thread. Either way a
@@ -107,6 +121,7 @@ def test_same_bits_on_one_and_two_threads(seq_lens: list[int]) -> None:
     assert_close(outputs[1], expected)
 
 
+@pytest.mark.usefixtures("attention_setting")
 def test_block_offsets_past_int32() -> None:
     """Block ids whose element offsets pass 2^31, in an 8 GiB pool only a few pages of which
     are ever touched (torch.empty)."""

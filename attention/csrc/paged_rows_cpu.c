@@ -1,0 +1,371 @@
+/*
+ * Paged attention of tiles of query rows, each row computed in an order fixed by its own context.
+ *
+ * Why: a token's logits must be the same bits whether its context was computed by a prefill, in
+ * chunks, one decode step at a time or beside other requests; otherwise a seeded stream resumed
+ * on another engine, a preempted request recomputed or a turn behind a cached prefix can draw
+ * another token where a draw falls within that rounding. The prefill kernels (torch's flash
+ * SDPA, csrc/paged_prefill_cpu.c) split a row's keys by how many rows they tile together; the
+ * decode kernel sums each row alone but rereads its whole context for every row of a prompt
+ * (2-2.7x the prefill kernels at 2-4K tokens). Here a tile is up to `max_tile_rows` consecutive
+ * rows of one sequence (a decode is a tile of one): each key block is read once for all the
+ * tile's rows and query heads, and every (row, key) score, softmax and weighted sum is the same
+ * sequence of operations whatever the tile holds:
+ *   score   a dot product of W-lane partial sums over head_dim (W = 8, 16 with AVX-512), summed
+ *           across lanes by one fixed tree (sum_lanes_each), in a full group of W keys or a tail;
+ *   softmax the row's max (exact in any order), exponentials W at a time (element-wise), their
+ *           sum in W lanes from key 0 on, lanes summed by a fixed tree: a function of the row's
+ *           own length only;
+ *   values  each output lane a chain over the row's keys in order, scaled by 1 / sum at the end.
+ * Associative math is off for this file so the compiler cannot regroup those sums differently
+ * where a tile's loops unroll differently (FMA contraction stays on).
+ *
+ * Layout (as csrc/paged_decode_cpu.c):
+ *   query, out   [num_tokens, num_heads, head_dim], rows `query_stride` / `out_stride` apart
+ *   key/value    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+ *   block_tables [num_seqs, block_table_stride] int32
+ *   tiles        [num_tiles, 4] int64: first query row, number of rows, keys its first row sees
+ *                (row i sees that + i), its sequence's block_tables row
+ * head_dim must be a multiple of W (paged_rows_lanes()). Query head h reads KV head h / G,
+ * G = num_heads / num_kv_heads.
+ */
+#pragma GCC optimize("no-associative-math")
+
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_simd.h"
+
+/* Lanes of a vector: 16 where the compiler targets AVX-512, else 8 (AVX2, or pairs of SSE/NEON
+ * registers). A row's bits are then those of one instruction set, as the other kernels' are.
+ * PAGEDRAY_ROWS_W16 asks for 16 anywhere (GCC splits the vectors), to test that arithmetic on a
+ * CPU without AVX-512. */
+#if defined(__AVX512F__) || defined(PAGEDRAY_ROWS_W16)
+#define W 16
+#else
+#define W 8
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+
+#ifdef __clang__
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+static inline vf load_lanes(const float* p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store_lanes(float* p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float c) { return (vf){0} + c; }
+static inline vf select_lanes(vi mask, vf yes, vf no) {
+    return (vf)(((vi)yes & mask) | ((vi)no & ~mask));
+}
+
+#if W == 16
+/* Lane t = the sum of d[t]'s 16 lanes by one tree, the same for every t: pairs, then quads,
+ * octets, halves. */
+static inline vf sum_lanes_each(const vf* d) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = SHUFFLE(d[2 * i], d[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                       14, 30) +
+               SHUFFLE(d[2 * i], d[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                       15, 31);
+    for (int j = 0; j < 4; ++j)
+        b[j] = SHUFFLE(a[2 * j], a[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                       28, 29) +
+               SHUFFLE(a[2 * j], a[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                       30, 31);
+    for (int k = 0; k < 2; ++k)
+        c[k] = SHUFFLE(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                       26, 27) +
+               SHUFFLE(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                       30, 31);
+    return SHUFFLE(c[0], c[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline float sum_lanes(vf v) {
+    return (((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))) +
+           (((v[8] + v[9]) + (v[10] + v[11])) + ((v[12] + v[13]) + (v[14] + v[15])));
+}
+#else
+/* Lane t = the sum of d[t]'s 8 lanes, ((0+1)+(2+3))+((4+5)+(6+7)) for every t. */
+static inline vf sum_lanes_each(const vf* d) {
+    vf a[4], b[2];
+    for (int i = 0; i < 4; ++i)
+        a[i] = SHUFFLE(d[2 * i], d[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUFFLE(d[2 * i], d[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int j = 0; j < 2; ++j)
+        b[j] = SHUFFLE(a[2 * j], a[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUFFLE(a[2 * j], a[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+static inline float sum_lanes(vf v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+#endif
+
+/* e^x for x <= 0, element-wise, to about 1 ulp (the AVX-512 kernels' polynomial). */
+static inline vf exp_nonpositive_lanes(vf x) {
+    x = select_lanes(x < splat(-87.f), splat(-87.f), x); /* below: 0 after scaling, no denormals */
+    const vi n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), vi);
+    const vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * splat(0.693145751953125f);
+    r = r - nf * splat(1.428606765330187045e-06f);
+    vf p = splat(1.0f / 720);
+    p = p * r + splat(1.0f / 120);
+    p = p * r + splat(1.0f / 24);
+    p = p * r + splat(1.0f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    return p * (vf)((n + 127) << 23);
+}
+
+/* Exponentials of s[0, len) - max in place (lanes up to the next multiple of W are written, as 0);
+ * returns their sum. */
+static inline float softmax_numerators(float* s, int64_t len) {
+    vf top = splat(-FLT_MAX);
+    int64_t p = 0;
+    for (; p + W <= len; p += W) {
+        const vf x = load_lanes(s + p);
+        top = select_lanes(x > top, x, top);
+    }
+    float m = -FLT_MAX;
+    for (int l = 0; l < W; ++l) m = top[l] > m ? top[l] : m;
+    for (; p < len; ++p) m = s[p] > m ? s[p] : m;
+    vi lane;
+    for (int l = 0; l < W; ++l) lane[l] = l;
+    vf sum = splat(0.f);
+    for (p = 0; p < len; p += W) {
+        const vi live = lane < (vi){0} + (int32_t)(len - p);
+        const vf e =
+            select_lanes(live, exp_nonpositive_lanes(load_lanes(s + p) - splat(m)), splat(0.f));
+        store_lanes(s + p, e);
+        sum += e;
+    }
+    return sum_lanes(sum);
+}
+
+/* A block's K or V token rows (`row_len` elements of each, `token_stride` apart) as float32:
+ * float32 read where they lie, others converted into `buffer` (rows row_len apart). Sets the row
+ * stride. */
+static inline const float* block_rows_f32(float* buffer, const float* src, int64_t rows,
+                                          int64_t token_stride, int64_t row_len,
+                                          int64_t* stride) {
+    (void)buffer;
+    (void)rows;
+    (void)row_len;
+    *stride = token_stride;
+    return src;
+}
+static inline const float* block_rows_bf16(float* buffer, const uint16_t* src, int64_t rows,
+                                           int64_t token_stride, int64_t row_len,
+                                           int64_t* stride) {
+    for (int64_t p = 0; p < rows; ++p)
+        for (int64_t i = 0; i < row_len; ++i)
+            buffer[p * row_len + i] = bf16_to_f32(src[p * token_stride + i]);
+    *stride = row_len;
+    return buffer;
+}
+static inline float load_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
+static inline void store_f32(float* dst, float x) { *dst = x; }
+static inline void store_bf16(uint16_t* dst, float x) { *dst = f32_to_bf16(x); }
+
+/* acc[0, CH*W) += w[p] * v_p[0, CH*W) for p in [0, keys), in order: one chain per lane. */
+#define DEFINE_WEIGHTED_SUM(CH)                                                                    \
+    static inline __attribute__((always_inline)) void weighted_sum_##CH(                          \
+        float* acc, const float* w, const float* v, int64_t v_stride, int64_t keys) {             \
+        vf a[CH];                                                                                  \
+        for (int u = 0; u < CH; ++u) a[u] = load_lanes(acc + u * W);                               \
+        for (int64_t p = 0; p < keys; ++p) {                                                       \
+            const vf wp = splat(w[p]);                                                             \
+            for (int u = 0; u < CH; ++u) a[u] += wp * load_lanes(v + p * v_stride + u * W);        \
+        }                                                                                          \
+        for (int u = 0; u < CH; ++u) store_lanes(acc + u * W, a[u]);                               \
+    }
+DEFINE_WEIGHTED_SUM(8)
+DEFINE_WEIGHTED_SUM(4)
+DEFINE_WEIGHTED_SUM(1)
+
+/* Scratch per thread, in floats: scores [n][score_stride], queries and accumulators [n][head_dim],
+ * a block's token rows as float32 [block_size][token_stride], a row of zeros and [n] reciprocal
+ * sums; n = max_tile_rows * num_heads. */
+#define ROWS_SCRATCH_FLOATS(n, head_dim, block_size, token_stride, score_stride) \
+    ((n) * (score_stride) + 2 * (n) * (head_dim) + (block_size) * (token_stride) + (head_dim) + (n))
+/* Room for a group of W scores past the longest row, rows 64-byte aligned. */
+#define ROWS_SCORE_STRIDE(max_seq_len) (((max_seq_len) + W + 15) / 16 * 16)
+
+static _Thread_local float* rows_scratch = NULL;
+static _Thread_local size_t rows_scratch_floats = 0;
+
+static float* rows_scratch_for(size_t floats) {
+    if (floats > rows_scratch_floats) {
+        free(rows_scratch);
+        rows_scratch = (float*)aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
+        rows_scratch_floats = rows_scratch == NULL ? 0 : floats;
+    }
+    return rows_scratch;
+}
+
+/* One tile's rows [row0, row0 + rows) and the query heads of KV heads [kv_begin, kv_end), in one
+ * pass over the blocks for all those heads (each K/V token row read once, as the decode kernel
+ * reads it). Query vector i = r * nh + hh is row r's query head kv_begin * G + hh. */
+#define DEFINE_ATTEND_TILE(SUFFIX, T)                                                              \
+    static inline __attribute__((always_inline)) void attend_tile_##SUFFIX(                       \
+        const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,           \
+        const int32_t* table, int64_t row0, int64_t rows, int64_t len0, int64_t num_heads,        \
+        int64_t num_kv_heads, int64_t kv_begin, int64_t kv_end, const int64_t head_dim,           \
+        int64_t block_size, int64_t score_stride, float scale, T* out, int64_t out_stride,        \
+        float* scratch) {                                                                         \
+        const int64_t group = num_heads / num_kv_heads, vecs = head_dim / W;                      \
+        const int64_t nkv = kv_end - kv_begin, nh = nkv * group, n = rows * nh;                   \
+        const int64_t token_stride = num_kv_heads * head_dim;                                     \
+        const int64_t block_stride = block_size * token_stride;                                   \
+        const int64_t first = kv_begin * head_dim; /* the item's first element of a token row */ \
+        const int64_t row_bytes = nkv * head_dim * (int64_t)sizeof(T);                            \
+        const int64_t len_max = len0 + rows - 1;                                                  \
+        const int64_t num_blocks = (len_max + block_size - 1) / block_size;                       \
+        float* scores = scratch;                                                                  \
+        float* qs = scores + n * score_stride;                                                    \
+        float* acc = qs + n * head_dim;                                                           \
+        float* buffer = acc + n * head_dim;                                                       \
+        float* zeros = buffer + block_size * token_stride;                                        \
+        float* inv = zeros + head_dim; /* [n]: 1 / each softmax's sum */                          \
+        memset(zeros, 0, sizeof(float) * head_dim);                                               \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            const T* q = query + (row0 + i / nh) * query_stride + first * group +                 \
+                         (i % nh) * head_dim;                                                     \
+            for (int64_t d = 0; d < head_dim; ++d)                                                \
+                qs[i * head_dim + d] = load_##SUFFIX(q[d]) * scale;                               \
+        }                                                                                         \
+        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
+            const int64_t filled = b + 1 < num_blocks ? block_size : len_max - b * block_size;    \
+            if (b + 1 < num_blocks)                                                               \
+                prefetch_rows(key_cache + (int64_t)table[b + 1] * block_stride + first,           \
+                              block_size, token_stride, row_bytes);                               \
+            int64_t stride;                                                                       \
+            const float* k0 = block_rows_##SUFFIX(                                                \
+                buffer, key_cache + (int64_t)table[b] * block_stride + first, filled,             \
+                token_stride, nkv * head_dim, &stride);                                           \
+            for (int64_t p0 = 0; p0 < filled; p0 += W) { /* W token rows, all their heads */    \
+                for (int64_t kv = 0; kv < nkv; ++kv) {                                            \
+                    const float* k[W];                                                            \
+                    for (int t = 0; t < W; ++t)                                                   \
+                        k[t] = p0 + t < filled ? k0 + (p0 + t) * stride + kv * head_dim : zeros;  \
+                    for (int64_t r = 0; r < rows; ++r)                                            \
+                        for (int64_t g = 0; g < group; ++g) {                                     \
+                            const int64_t i = r * nh + kv * group + g;                            \
+                            const float* q = qs + i * head_dim;                                   \
+                            vf dots[W]; /* lane l of dots[t]: a chain over lanes j * W + l */     \
+                            const vf q0 = load_lanes(q);                                          \
+                            for (int t = 0; t < W; ++t) dots[t] = q0 * load_lanes(k[t]);          \
+                            for (int64_t j = 1; j < vecs; ++j) {                                  \
+                                const vf qj = load_lanes(q + j * W);                              \
+                                for (int t = 0; t < W; ++t)                                       \
+                                    dots[t] += qj * load_lanes(k[t] + j * W);                     \
+                            }                                                                     \
+                            store_lanes(scores + i * score_stride + b * block_size + p0,          \
+                                        sum_lanes_each(dots));                                    \
+                        }                                                                         \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t i = 0; i < n; ++i)                                                           \
+            inv[i] = 1.f / softmax_numerators(scores + i * score_stride, len0 + i / nh);          \
+        memset(acc, 0, sizeof(float) * n * head_dim);                                             \
+        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
+            const int64_t filled = b + 1 < num_blocks ? block_size : len_max - b * block_size;    \
+            if (b + 1 < num_blocks)                                                               \
+                prefetch_rows(value_cache + (int64_t)table[b + 1] * block_stride + first,         \
+                              block_size, token_stride, row_bytes);                               \
+            int64_t stride;                                                                       \
+            const float* v0 = block_rows_##SUFFIX(                                                \
+                buffer, value_cache + (int64_t)table[b] * block_stride + first, filled,           \
+                token_stride, nkv * head_dim, &stride);                                           \
+            for (int64_t i = 0; i < n; ++i) {                                                     \
+                const int64_t keys = len0 + i / nh - b * block_size;                              \
+                if (keys <= 0) continue;                                                          \
+                const int64_t take = keys < filled ? keys : filled;                               \
+                const float* w = scores + i * score_stride + b * block_size;                      \
+                const float* v = v0 + (i % nh) / group * head_dim;                                \
+                float* a = acc + i * head_dim;                                                    \
+                int64_t j = 0; /* 8 chains at once where head_dim allows: FMA latency */          \
+                for (; j + 8 <= vecs; j += 8)                                                     \
+                    weighted_sum_8(a + j * W, w, v + j * W, stride, take);                        \
+                for (; j + 4 <= vecs; j += 4)                                                     \
+                    weighted_sum_4(a + j * W, w, v + j * W, stride, take);                        \
+                for (; j < vecs; ++j) weighted_sum_1(a + j * W, w, v + j * W, stride, take);      \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            T* o = out + (row0 + i / nh) * out_stride + first * group + (i % nh) * head_dim;      \
+            for (int64_t d = 0; d < head_dim; ++d)                                                \
+                store_##SUFFIX(o + d, acc[i * head_dim + d] * inv[i]);                            \
+        }                                                                                         \
+    }
+
+/* Return codes (as paged_decode_*'s). */
+#define PAGED_ROWS_OK 0
+#define PAGED_ROWS_NO_MEMORY -1 /* a thread could not allocate its scratch */
+#define PAGED_ROWS_BAD_LENGTH -2 /* a tile outside [1, max_tile_rows] rows or max_seq_len keys */
+#define PAGED_ROWS_BAD_SHAPE -3 /* head_dim not a multiple of W */
+
+#define TILE_ARGS(HEAD_DIM)                                                                        \
+    query, query_stride, key_cache, value_cache, table, tile[0], tile[1], tile[2], num_heads,     \
+        num_kv_heads, kv_begin, kv_begin + kv_per_item, (HEAD_DIM), block_size, score_stride,     \
+        scale, out, out_stride, scratch
+
+/* Tiles, or with fewer than two a thread, (tile, KV head) pairs, in parallel. */
+#define DEFINE_PAGED_ROWS(SUFFIX, T)                                                               \
+    int paged_rows_##SUFFIX(const T* query, int64_t query_stride, const T* key_cache,             \
+                            const T* value_cache, const int32_t* block_tables,                    \
+                            int64_t block_table_stride, const int64_t* tiles, int64_t num_tiles,  \
+                            int64_t max_tile_rows, int64_t num_heads, int64_t num_kv_heads,       \
+                            int64_t head_dim, int64_t block_size, int64_t max_seq_len,            \
+                            float scale, T* out, int64_t out_stride, int64_t num_threads) {       \
+        if (head_dim % W != 0) return PAGED_ROWS_BAD_SHAPE;                                       \
+        int status = PAGED_ROWS_OK;                                                               \
+        const int64_t score_stride = ROWS_SCORE_STRIDE(max_seq_len);                              \
+        const int64_t splits = num_tiles >= 2 * num_threads ? 1 : num_kv_heads;                   \
+        const int64_t kv_per_item = num_kv_heads / splits;                                        \
+        const size_t scratch_floats = (size_t)ROWS_SCRATCH_FLOATS(                                \
+            max_tile_rows * num_heads, head_dim, block_size, num_kv_heads * head_dim,             \
+            score_stride);                                                                        \
+        (void)num_threads; /* without OpenMP: one thread */                                       \
+        PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(num_threads))                    \
+        for (int64_t item = 0; item < num_tiles * splits; ++item) {                               \
+            const int64_t* tile = tiles + 4 * (item / splits);                                    \
+            const int64_t kv_begin = (item % splits) * kv_per_item;                               \
+            float* scratch = rows_scratch_for(scratch_floats);                                    \
+            if (scratch == NULL || tile[1] < 1 || tile[1] > max_tile_rows || tile[2] < 1 ||       \
+                tile[2] + tile[1] - 1 > max_seq_len) {                                            \
+                PRAGMA(omp atomic write)                                                          \
+                status = scratch == NULL ? PAGED_ROWS_NO_MEMORY : PAGED_ROWS_BAD_LENGTH;          \
+                continue;                                                                         \
+            }                                                                                     \
+            const int32_t* table = block_tables + tile[3] * block_table_stride;                   \
+            switch (head_dim) {                                                                   \
+                case 64: attend_tile_##SUFFIX(TILE_ARGS(64)); break;                              \
+                case 128: attend_tile_##SUFFIX(TILE_ARGS(128)); break;                            \
+                default: attend_tile_##SUFFIX(TILE_ARGS(head_dim));                               \
+            }                                                                                     \
+        }                                                                                         \
+        return status;                                                                            \
+    }
+
+DEFINE_ATTEND_TILE(f32, float)
+DEFINE_ATTEND_TILE(bf16, uint16_t)
+DEFINE_PAGED_ROWS(f32, float)
+DEFINE_PAGED_ROWS(bf16, uint16_t)
+
+/* The vector width head_dim must be a multiple of. */
+int paged_rows_lanes(void) { return W; }
