@@ -1,4 +1,4 @@
-"""The CPU backend's exact rows (`PAGEDRAY_EXACT_ATTENTION=1`): a query row's output is the same
+"""The CPU backend's exact rows (the default, `PAGEDRAY_EXACT_ATTENTION=1`): a query row's output is the same
 bits whether it is a decode, a row of a prefill chunk beside others, or the last of a chunk that
 read its prefix from the cache — the property that lets a request resumed, recomputed or batched
 draw the same tokens."""

@@ -1,9 +1,9 @@
-"""With `PAGEDRAY_EXACT_ATTENTION=1`, a token's logits are the same bits however its context was
-computed — in one prefill, in chunks, one decode step at a time, beside other requests, or read
-from the prefix cache — so a request resumed on another engine, recomputed after preemption or
-batched with others draws the same tokens, sampled ones included. Real engines on the tiny
-models, in-process; the CPU backend's exact rows (attention/cpu_backend.py) and row-independent
-GEMMs make it so."""
+"""With the CPU backend's exact rows (the default; `PAGEDRAY_EXACT_ATTENTION=0` opts out), a
+token's logits are the same bits however its context was computed — in one prefill, in chunks,
+one decode step at a time, beside other requests, or read from the prefix cache — so a request
+resumed on another engine, recomputed after preemption or batched with others draws the same
+tokens, sampled ones included. Real engines on the tiny models, in-process; the CPU backend's
+exact rows (attention/cpu_backend.py) and row-independent GEMMs make it so."""
 
 from __future__ import annotations
 

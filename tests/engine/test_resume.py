@@ -90,8 +90,8 @@ def test_a_sampled_stream_resumed_at_any_token_goes_on_with_the_same_tokens(
     """Temperature 1 and a seed, as most sampled streams that move are: the resumed context is
     computed as one prefill where the first engine computed it a decode step at a time, and the
     logits must be the same bits for every draw to land on the same token (the CPU backend's
-    exact rows, `PAGEDRAY_EXACT_ATTENTION=1`; without them about one stream in 17-30 departs on
-    the default model)."""
+    exact rows, the default; with `PAGEDRAY_EXACT_ATTENTION=0` about one stream in 17-30 departs
+    on the default model)."""
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
 
     async def run() -> None:
