@@ -21,6 +21,7 @@ TORCH_BACKEND = AttentionBackend(
     store_kv=torch_ref.store_kv,
     paged_attention=torch_ref.paged_attention,
     copy_blocks=torch_ref.copy_blocks,
+    arithmetic=lambda: f"torch reference, torch {torch.__version__}",
 )
 
 

@@ -245,9 +245,17 @@ def _plan_decodes(metadata: AttentionMetadata) -> tuple[torch.Tensor, int]:
     return torch.tensor(seqs, dtype=torch.int64), max_seq_len
 
 
+def arithmetic() -> str:
+    """The setting, the kernels' build (source, compiler, this CPU's instruction set) and torch's
+    version: what decides a block's bits here (see AttentionBackend)."""
+    setting = "exact rows" if exact_rows() else "by path"
+    return f"cpu {setting}, kernels {cpu_kernels.build_key()}, torch {torch.__version__}"
+
+
 CPU_BACKEND = AttentionBackend(
     name="cpu",
     store_kv=torch_ref.store_kv,
     paged_attention=paged_attention,
     copy_blocks=torch_ref.copy_blocks,
+    arithmetic=arithmetic,
 )

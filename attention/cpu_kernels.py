@@ -229,6 +229,12 @@ def _entry_points() -> dict[torch.dtype, CFunction]:
     return entries
 
 
+def build_key() -> str:
+    """The loaded library's build key: its source, compiler, flags and this CPU's instruction
+    set (what decides the kernels' bits)."""
+    return Path(_library()._name).stem
+
+
 def library() -> ctypes.CDLL:
     """The loaded kernels (built on the first call); raises KernelBuildError where they cannot
     be. For the other modules that bind entry points of their own."""

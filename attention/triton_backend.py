@@ -54,9 +54,18 @@ def paged_attention(
     )
 
 
+def arithmetic() -> str:
+    """The device, torch's and Triton's versions (see AttentionBackend)."""
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no device"
+    return f"triton {triton.__version__} on {device}, torch {torch.__version__}"
+
+
 TRITON_BACKEND = AttentionBackend(
     name="triton",
     store_kv=store_kv,
     paged_attention=paged_attention,
     copy_blocks=copy_blocks,
+    arithmetic=arithmetic,
 )

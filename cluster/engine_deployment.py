@@ -177,6 +177,10 @@ class EngineDeployment:
         uses another tier; addressed to `replica_id` as `subscribe` is."""
         if replica_id != self.replica_id:
             raise RuntimeError(f"engine replica {replica_id} is gone")
+        if self.tier_address is None or not puller.same_blocks_as(self.tier_address):
+            # Another model layout or arithmetic (its tier file is another): its blocks would
+            # not be the bits the puller computes.
+            return KVExport([])
         return await self.engine.export_kv(block_hashes, puller != self.tier_address)
 
     async def subscribe(self, channel_id: str, replica_id: str) -> AsyncIterator[bytes]:

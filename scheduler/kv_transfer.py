@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.scheduler.kv_cache_manager import KVCacheManager
@@ -28,6 +29,12 @@ class TierAddress:
 
     node_id: str
     path: str
+
+    def same_blocks_as(self, other: TierAddress) -> bool:
+        """Whether the other engine's blocks are the bits this one computes: their tier files
+        have one name, on any node (the name digests the model layout and the arithmetic,
+        workers/host_kv_buffer.py's tier_path)."""
+        return PurePath(self.path).name == PurePath(other.path).name
 
 
 @dataclass

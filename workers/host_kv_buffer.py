@@ -46,17 +46,23 @@ def tier_path(
     dtype: torch.dtype,
     rank_kv_shape: tuple[int, ...],
     tp: int,
+    arithmetic: str,
     directory: Path | None = None,
 ) -> Path:
     """The tier file of one model layout in `directory` (default `tier_dir()`): engines that can
-    read each other's blocks (same weights, dtype, block shape and rank count) share it; any
-    other shares nothing."""
+    read each other's blocks (same weights, dtype, block shape and rank count) and compute them
+    to the same bits (`arithmetic`: the attention backend's, see AttentionBackend) share it; any
+    other shares nothing. The file outlives the engines, so without the arithmetic a block
+    computed by another build or setting (`PAGEDRAY_EXACT_ATTENTION`) would come back into a
+    stream that must go on token-exact."""
     model_dir = Path(model).resolve()
     weights = sorted(
         (path.name, path.stat().st_size, path.stat().st_mtime_ns)
         for path in model_dir.glob("*.safetensors")
     )
-    identity = json.dumps([str(model_dir), weights, str(dtype), list(rank_kv_shape), tp])
+    identity = json.dumps(
+        [str(model_dir), weights, str(dtype), list(rank_kv_shape), tp, arithmetic]
+    )
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return (directory or tier_dir()) / f"pagedray-kv-{digest}.tier"
 
@@ -187,6 +193,7 @@ def open_tier(
     rank: int,
     tp: int,
     kv_cache: torch.Tensor,
+    arithmetic: str,
     directory: Path | None = None,
     name: str = "host",
 ) -> tuple[str, HostKVBuffer] | None:
@@ -195,7 +202,7 @@ def open_tier(
     `tier_bytes` finds room for; with the file's path. None when the tier is off or no block
     fits."""
     shard_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
-    path = tier_path(model, kv_cache.dtype, shard_shape, tp, directory)
+    path = tier_path(model, kv_cache.dtype, shard_shape, tp, arithmetic, directory)
     slot_bytes = kv_cache.element_size() * int(torch.Size(shard_shape).numel()) * tp
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -134,14 +134,15 @@ class Worker:
         cfg, tiers = self.config, {}
         if cfg.kv_offloading_size == 0:
             return {}
+        arithmetic = self.attention.arithmetic()
         args = (cfg.model, cfg.kv_offloading_size, self.rank, cfg.tensor_parallel_size, kv_cache)
-        host = open_tier(*args)
+        host = open_tier(*args, arithmetic)
         if host is None:
             return {}
         tiers["host"] = host
         if cfg.kv_disk_dir:
             disk_args = (cfg.model, cfg.kv_disk_gb, self.rank, cfg.tensor_parallel_size, kv_cache)
-            disk = open_tier(*disk_args, directory=Path(cfg.kv_disk_dir), name="disk")
+            disk = open_tier(*disk_args, arithmetic, directory=Path(cfg.kv_disk_dir), name="disk")
             if disk is not None:
                 tiers["disk"] = disk
         return tiers

@@ -1,7 +1,7 @@
-"""The CPU backend's exact rows (the default, `PAGEDRAY_EXACT_ATTENTION=1`): a query row's output is the same
-bits whether it is a decode, a row of a prefill chunk beside others, or the last of a chunk that
-read its prefix from the cache — the property that lets a request resumed, recomputed or batched
-draw the same tokens."""
+"""The CPU backend's exact rows (the default, `PAGEDRAY_EXACT_ATTENTION=1`): a query row's
+output is the same bits whether it is a decode, a row of a prefill chunk beside others, or the
+last of a chunk that read its prefix from the cache — the property that lets a request resumed,
+recomputed or batched draw the same tokens."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from _paged_batch import assert_close, metadata_on_blocks, random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedray.attention import cpu_kernels, torch_ref
-from pagedray.attention.cpu_backend import paged_attention
+from pagedray.attention import cpu_backend, cpu_kernels, torch_ref
+from pagedray.attention.cpu_backend import CPU_BACKEND, paged_attention
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
@@ -83,3 +83,17 @@ def test_with_the_setting_off_prefill_rows_take_the_prefill_kernels() -> None:
     assert "cpu.rows" not in batch.scratch and "cpu.tiles" not in batch.scratch
     batch.scratch.clear()
     assert_close(by_path, torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))
+
+
+@pytest.mark.usefixtures("attention_by_path")
+def test_the_backends_arithmetic_names_its_setting_and_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What names the node's KV tier file beside the model layout: engines of either setting,
+    or of another kernel build, never read each other's blocks."""
+    by_path = CPU_BACKEND.arithmetic()
+    monkeypatch.setenv(cpu_backend.EXACT_ATTENTION_ENV, "1")
+    cpu_backend.exact_rows.cache_clear()  # the fixture clears it again after the test
+    exact = CPU_BACKEND.arithmetic()
+    assert by_path != exact
+    assert cpu_kernels.build_key() in exact and torch.__version__ in exact

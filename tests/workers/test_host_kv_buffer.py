@@ -1,5 +1,5 @@
 """A rank's copies between its KV pool and the host tier: bit-identical, each rank in its own
-part of a slot, and a tier file per model layout."""
+part of a slot, and a tier file per model layout and arithmetic."""
 
 from __future__ import annotations
 
@@ -58,17 +58,22 @@ def test_a_buffer_refuses_a_tier_of_another_block_size(tmp_path: Path) -> None:
         HostKVBuffer(path, 0, 1, kv_cache)
 
 
-def test_each_model_layout_has_its_own_tier(tmp_path: Path, tiny_llama: str) -> None:
+def test_each_model_layout_and_arithmetic_has_its_own_tier(tmp_path: Path, tiny_llama: str) -> None:
+    """The tier file outlives its engines: one computed by another build or setting must not
+    hand its blocks to a stream that goes on token-exact."""
     shape = (3, 2, 4, 2, 8)
-    base = tier_path(tiny_llama, torch.float32, shape, 1)
-    assert base == tier_path(tiny_llama, torch.float32, shape, 1)
+    exact = "cpu exact rows, kernels k1, torch 2.13.0"
+    base = tier_path(tiny_llama, torch.float32, shape, 1, exact)
+    assert base == tier_path(tiny_llama, torch.float32, shape, 1, exact)
     others = {
-        tier_path(tiny_llama, torch.bfloat16, shape, 1),
-        tier_path(tiny_llama, torch.float32, (3, 2, 16, 2, 8), 1),
-        tier_path(tiny_llama, torch.float32, shape, 2),
-        tier_path(str(tmp_path), torch.float32, shape, 1),
+        tier_path(tiny_llama, torch.bfloat16, shape, 1, exact),
+        tier_path(tiny_llama, torch.float32, (3, 2, 16, 2, 8), 1, exact),
+        tier_path(tiny_llama, torch.float32, shape, 2, exact),
+        tier_path(str(tmp_path), torch.float32, shape, 1, exact),
+        tier_path(tiny_llama, torch.float32, shape, 1, "cpu by path, kernels k1, torch 2.13.0"),
+        tier_path(tiny_llama, torch.float32, shape, 1, "cpu exact rows, kernels k2, torch 2.13.0"),
     }
-    assert base not in others and len(others) == 4
+    assert base not in others and len(others) == 6
 
 
 def test_the_size_is_as_asked_or_a_share_of_free_memory(tmp_path: Path) -> None:
