@@ -403,6 +403,8 @@ def redeploy_drain(model: str | None, num_requests: int, max_tokens: int) -> Fau
     from pagedray.cluster.openai_app import build_app
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    struck_at: list[float] = []
+    redeployed = threading.Event()
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -412,12 +414,14 @@ def redeploy_drain(model: str | None, num_requests: int, max_tokens: int) -> Fau
         url = f"http://127.0.0.1:{port}"
         reference = run_all(url, num_requests, max_tokens, None)
         wait_for_replicas(url, 2, time.monotonic())
-        struck_at: list[float] = []
 
         def redeploy() -> None:
             struck_at.append(time.monotonic())
-            one = build_app({**app_args, "num_replicas": 1})
-            serve.run(one, name="drain", route_prefix="/")  # on its own thread: it may wait
+            try:
+                one = build_app({**app_args, "num_replicas": 1})
+                serve.run(one, name="drain", route_prefix="/")  # on its own thread: it may wait
+            finally:
+                redeployed.set()
 
         records = run_all(url, num_requests, max_tokens, redeploy)
         one_left_s = wait_for_replicas(url, 1, struck_at[0]) if struck_at else None
@@ -425,6 +429,10 @@ def redeploy_drain(model: str | None, num_requests: int, max_tokens: int) -> Fau
         figures.replacement_s = one_left_s
         return figures
     finally:
+        # serve.run waits until the removed replica has drained, after the streams end; Ray shut
+        # down under that call aborted this whole process a minute later (its GCS gone).
+        if struck_at:
+            redeployed.wait(REPLACEMENT_TIMEOUT_S)
         serve.shutdown()
         ray.shutdown()
 
