@@ -15,7 +15,9 @@ instruction set (the kernels and oneDNN compile for the CPU they run on). That i
 seeded stream resumed on another engine, a preempted request recomputed, or a turn behind a
 cached prefix draw the tokens it would have drawn (without it, about one sampled stream in 17-30
 resumed on the default model departed). Float16 and head sizes the tile kernel does not take go
-through csrc/paged_decode_cpu.c one row at a time, with the same property.
+through csrc/paged_decode_cpu.c one row at a time, with the same property (where the compiler
+has no _Float16, float16 takes the torch reference, by path). Tiles get fewer rows where a
+thread's scores would pass 16 MiB (long contexts); the bits do not change.
 
 `PAGEDRAY_EXACT_ATTENTION=0` takes the kernels by path instead: csrc/paged_decode_cpu.c for
 sequences with one new token (AVX-512 where the CPU has it), csrc/paged_prefill_cpu.c for
@@ -112,8 +114,9 @@ def attend_rows(
     if cpu_row_tiles.supports(query.dtype, query.shape[-1]):
         tiles = metadata.scratch.get("cpu.tiles")
         if tiles is None:  # the same for every layer of the step
+            tile_rows = cpu_row_tiles.tile_rows_for(metadata.max_seq_len, query.shape[1])
             tiles = metadata.scratch["cpu.tiles"] = cpu_row_tiles.plan_tiles(
-                metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+                metadata.query_start_loc_cpu, metadata.seq_lens_cpu, tile_rows
             )
         cpu_row_tiles.paged_rows(
             query, key_cache, value_cache, metadata.block_tables, tiles, scale, out
@@ -198,8 +201,13 @@ EXACT_ATTENTION_ENV = "PAGEDRAY_EXACT_ATTENTION"
 @functools.cache
 def exact_rows() -> bool:
     """Whether every query row is computed in an order fixed by its own context (see the
-    module): yes unless the setting is 0."""
-    return os.environ.get(EXACT_ATTENTION_ENV, "1") != "0"
+    module): yes unless the setting says no (0, false, no, off)."""
+    return os.environ.get(EXACT_ATTENTION_ENV, "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 class _Rows(NamedTuple):

@@ -51,6 +51,9 @@ HEADERS = (Path(__file__).parent / "csrc" / "cpu_simd.h",)  # hashed into the bu
 # NOTE: -ffast-math is a compile flag only. Linking a shared library with it makes GCC < 13 add
 # crtfastmath.o, which flushes denormals to zero for the whole process (torch included) on load.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+# A row's sums must not be regrouped where a tile's loops unroll differently (GCC and clang both
+# take the flag; clang ignores GCC's optimize pragma).
+_SOURCE_FLAGS = {"paged_rows_cpu.c": ("-fno-associative-math",)}
 _LINK_FLAGS = ("-shared",)
 # With OpenMP first; without it the kernel still runs, on one thread.
 _OPENMP_CHOICES = (("-fopenmp",), ())
@@ -199,14 +202,27 @@ def _batch_args(
 ) -> tuple[int, ...]:
     """The arguments both kernels open with: the batch's pointers and row strides."""
     return (
+        *cache_args(query, key_cache, value_cache, block_tables),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+    )
+
+
+def cache_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> tuple[int, ...]:
+    """The arguments every attention kernel here opens with: query and its row stride, the
+    caches, the block tables and their row stride."""
+    return (
         query.data_ptr(),
         query.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
-        seq_lens.data_ptr(),
-        query_start_loc.data_ptr(),
     )
 
 
@@ -310,7 +326,8 @@ def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         lib = Path(tmp) / "kernel.so"
         commands = [
-            [*compiler, "-c", *_COMPILE_FLAGS, *openmp, str(source), "-o", str(obj)]
+            [*compiler, "-c", *_COMPILE_FLAGS, *_SOURCE_FLAGS.get(source.name, ()), *openmp]
+            + [str(source), "-o", str(obj)]
             for source, obj in zip(SOURCES, objects)
         ]
         commands.append(
@@ -330,6 +347,7 @@ def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:
 def _build_key(compiler: list[str], source: bytes, openmp: tuple[str, ...]) -> str:
     digest = hashlib.sha256(source)
     parts = (*compiler, _compiler_version(compiler), *_COMPILE_FLAGS, *_LINK_FLAGS, *openmp)
+    parts += tuple(flag for flags in _SOURCE_FLAGS.values() for flag in flags)
     for part in (*parts, _cpu_identity()):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:24]

@@ -22,6 +22,9 @@ from pagedray.attention import cpu_kernels
 # Rows a prefill tile holds: more share each block read, fewer leave less work past the shorter
 # rows' ends and split a prompt into more items for the threads.
 TILE_ROWS = 16
+# A thread's scores hold a tile's rows times its query heads times the context: past this many
+# floats (16 MiB) tiles get fewer rows (bits unchanged), so a 128K context takes a tile of one.
+SCORES_BUDGET_FLOATS = 1 << 22
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64]
@@ -50,6 +53,11 @@ class RowTiles(NamedTuple):
     rows_end: int  # one past the last query row a tile names
     tables_end: int  # one past the last block_tables row a tile names
     max_seq_len: int  # the most keys a row sees
+
+
+def tile_rows_for(max_seq_len: int, num_heads: int) -> int:
+    """Rows a tile holds for a step whose longest row sees `max_seq_len` keys."""
+    return max(1, min(TILE_ROWS, SCORES_BUDGET_FLOATS // max(1, max_seq_len * num_heads)))
 
 
 def plan_tiles(
@@ -101,18 +109,17 @@ def paged_rows(
         raise ValueError(f"tiles: expected a contiguous [num_tiles, 4] tensor, got {tiles.shape}")
     if plan.tables_end > block_tables.shape[0] or plan.rows_end > query.shape[0]:
         raise ValueError("tiles name rows outside block_tables or query")
+    if out.shape != query.shape or key_cache.shape != value_cache.shape:
+        raise ValueError(f"out {out.shape} must be query's {query.shape}, the caches one shape")
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    if -(-plan.max_seq_len // block_size) > block_tables.shape[1]:
+        raise ValueError(f"{plan.max_seq_len} keys need more blocks than block_tables holds")
     entry = _entry_points().get(query.dtype)
     if entry is None or head_dim % lanes():
         raise ValueError(f"no CPU row-tile kernel for {query.dtype} at head size {head_dim}")
     status = entry(
-        query.data_ptr(),
-        query.stride(0),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
+        *cpu_kernels.cache_args(query, key_cache, value_cache, block_tables),
         tiles.data_ptr(),
         tiles.shape[0],
         plan.max_rows,

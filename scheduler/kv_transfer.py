@@ -31,10 +31,14 @@ class TierAddress:
     path: str
 
     def same_blocks_as(self, other: TierAddress) -> bool:
-        """Whether the other engine's blocks are the bits this one computes: their tier files
-        have one name, on any node (the name digests the model layout and the arithmetic,
-        workers/host_kv_buffer.py's tier_path)."""
-        return PurePath(self.path).name == PurePath(other.path).name
+        """Whether the other engine's blocks are the bits this one computes: the names of their
+        tier files end in one arithmetic's digest (workers/host_kv_buffer.py's tier_path; the
+        rest of a name digests the model's path too, which may differ between nodes)."""
+        return _arithmetic_digest(self.path) == _arithmetic_digest(other.path)
+
+
+def _arithmetic_digest(tier_path: str) -> str:
+    return PurePath(tier_path).stem.rsplit("-", 1)[-1]
 
 
 @dataclass

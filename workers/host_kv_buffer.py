@@ -51,20 +51,20 @@ def tier_path(
 ) -> Path:
     """The tier file of one model layout in `directory` (default `tier_dir()`): engines that can
     read each other's blocks (same weights, dtype, block shape and rank count) and compute them
-    to the same bits (`arithmetic`: the attention backend's, see AttentionBackend) share it; any
-    other shares nothing. The file outlives the engines, so without the arithmetic a block
-    computed by another build or setting (`PAGEDRAY_EXACT_ATTENTION`) would come back into a
-    stream that must go on token-exact."""
+    to the same bits (`arithmetic`: the worker's, see workers/worker.py) share it; any other
+    shares nothing. The file outlives the engines, so without the arithmetic a block computed
+    by another build or setting (`PAGEDRAY_EXACT_ATTENTION`) would come back into a stream that
+    must go on token-exact. The name ends in the arithmetic's own digest, which engines on other
+    nodes compare before they hand blocks over (scheduler/kv_transfer.py's TierAddress)."""
     model_dir = Path(model).resolve()
     weights = sorted(
         (path.name, path.stat().st_size, path.stat().st_mtime_ns)
         for path in model_dir.glob("*.safetensors")
     )
-    identity = json.dumps(
-        [str(model_dir), weights, str(dtype), list(rank_kv_shape), tp, arithmetic]
-    )
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return (directory or tier_dir()) / f"pagedray-kv-{digest}.tier"
+    layout = json.dumps([str(model_dir), weights, str(dtype), list(rank_kv_shape), tp])
+    digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
+    arithmetic_digest = hashlib.sha256(arithmetic.encode()).hexdigest()[:12]
+    return (directory or tier_dir()) / f"pagedray-kv-{digest}-{arithmetic_digest}.tier"
 
 
 def tier_bytes(requested_gib: float | None, directory: Path) -> int:
@@ -222,4 +222,26 @@ def open_tier(
             layout.num_slots,
             layout.num_slots * slot_bytes / 1024**3,
         )
+        _warn_of_other_tiers(path)
     return str(path), buffer
+
+
+def _warn_of_other_tiers(path: Path) -> None:
+    """Tier files outlive their engines, and another model, layout, build or setting writes
+    another: say how much memory the others hold, since nothing removes them."""
+    others = [other for other in path.parent.glob("pagedray-kv-*.tier") if other != path]
+    held = 0
+    for other in others:
+        try:
+            held += other.stat().st_blocks * 512  # written pages: the files are sparse
+        except OSError:
+            continue  # removed meanwhile
+    if held:
+        logger.warning(
+            "%d other KV tier files in %s hold %.2f GiB (other models, builds or settings); "
+            "`rm %s/pagedray-kv-*.tier` frees them once no engine of theirs runs",
+            len(others),
+            path.parent,
+            held / 1024**3,
+            path.parent,
+        )

@@ -6,6 +6,7 @@ way the scheduler reaches it only through `SchedulerOutput` and gets `ModelRunne
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
 from pagedray.workers.cpu_threads import step_runs_on_every_core
 from pagedray.workers.host_kv_buffer import HostKVBuffer, open_tier
+from pagedray.workers.layers import cpu_ops, gemm
 from pagedray.workers.layers.gemm import pack_module_weights, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
@@ -24,6 +26,11 @@ from pagedray.workers.parallel_state import TensorParallelGroup, init_tensor_par
 from pagedray.workers.sampler import Sampler
 from pagedray.workers.weight_loader import load_weights
 from pagedray.workers.worker_config import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
+
+try:
+    PAGEDRAY_VERSION = importlib.metadata.version("pagedray")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree not installed
+    PAGEDRAY_VERSION = "source"
 
 # oneDNN primitives compiled at start, for decode batch sizes from 1 up: at most this many rows
 # and this long (128 x 5 projection shapes take about 0.3 s for the default model; a larger
@@ -129,12 +136,21 @@ class Worker:
         )
         return {name: path for name, (path, _) in tiers.items()}
 
+    def arithmetic(self) -> str:
+        """What decides the bits of the K/V blocks this worker computes (see AttentionBackend):
+        the attention backend's kernels and setting, the projections' and the element-wise
+        ops' paths, pagedray's version. Engines that differ in it share no blocks."""
+        return (
+            f"{self.attention.arithmetic()}; gemm {gemm.setting()}; "
+            f"layer ops {cpu_ops.setting()}; pagedray {PAGEDRAY_VERSION}"
+        )
+
     def _open_tiers(self, kv_cache: torch.Tensor) -> dict[str, tuple[str, HostKVBuffer]]:
         """The node's host KV tier and the disk tier below it, as configured and as they open."""
         cfg, tiers = self.config, {}
         if cfg.kv_offloading_size == 0:
             return {}
-        arithmetic = self.attention.arithmetic()
+        arithmetic = self.arithmetic()
         args = (cfg.model, cfg.kv_offloading_size, self.rank, cfg.tensor_parallel_size, kv_cache)
         host = open_tier(*args, arithmetic)
         if host is None:

@@ -1,14 +1,15 @@
 /*
  * Helpers shared by pagedray's C kernels for the CPU (paged_decode_cpu.c, paged_prefill_cpu.c,
- * layer_ops_cpu.c): bf16 conversions as torch rounds, OpenMP pragmas that vanish without
- * OpenMP, a prefetch of scattered cache blocks, and where the compiler targets AVX-512, 16-wide
- * loads of K/V rows and an exponential for softmax. Built with them by attention/cpu_kernels.py,
- * which hashes this header into the library's build key.
+ * paged_rows_cpu.c, layer_ops_cpu.c): bf16 conversions as torch rounds, OpenMP pragmas that
+ * vanish without OpenMP, a scratch buffer per thread, a prefetch of scattered cache blocks, and
+ * where the compiler targets AVX-512, 16-wide loads of K/V rows and an exponential for softmax.
+ * Built with them by attention/cpu_kernels.py, which hashes this header into the build key.
  */
 #ifndef PAGEDRAY_CPU_SIMD_H
 #define PAGEDRAY_CPU_SIMD_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -32,6 +33,22 @@ static inline uint16_t f32_to_bf16(float f) {
 #else
 #define PRAGMA(x)
 #endif
+
+/* `NAME(floats)`: this thread's scratch of at least `floats` floats, 64-byte aligned, or NULL
+ * where it cannot be allocated. Kept per thread across calls (OpenMP's threads persist): no
+ * allocation per layer call; it grows to the largest asked and lives as long as the thread.
+ * Each kernel file defines its own. */
+#define DEFINE_THREAD_SCRATCH(NAME)                                                               \
+    static _Thread_local float* NAME##_buffer = NULL;                                             \
+    static _Thread_local size_t NAME##_floats = 0;                                                \
+    static float* NAME(size_t floats) {                                                           \
+        if (floats > NAME##_floats) {                                                             \
+            free(NAME##_buffer);                                                                  \
+            NAME##_buffer = (float*)aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16)); \
+            NAME##_floats = NAME##_buffer == NULL ? 0 : floats;                                   \
+        }                                                                                         \
+        return NAME##_buffer;                                                                     \
+    }
 
 /* Asks for the next block's rows while this one is computed: blocks lie anywhere in a pool of
  * gigabytes, so the hardware prefetcher, which follows addresses in order, cannot guess them.

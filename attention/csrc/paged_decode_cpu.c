@@ -75,19 +75,7 @@ static inline void store_f16(_Float16* dst, const float* src, int64_t n) {
  * sums a row in the same order in every batch, which a row's result must not depend on. */
 #define SCORE_STRIDE(max_seq_len) (((max_seq_len) + 15) / 16 * 16)
 
-/* Kept per thread across calls (OpenMP's threads persist): no allocation per layer call. It
- * grows to the largest batch seen and lives as long as the thread. */
-static _Thread_local float* thread_scratch = NULL;
-static _Thread_local size_t thread_scratch_floats = 0;
-
-static float* scratch_for(size_t floats) {
-    if (floats > thread_scratch_floats) {
-        free(thread_scratch);
-        thread_scratch = (float*)aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
-        thread_scratch_floats = thread_scratch == NULL ? 0 : floats;
-    }
-    return thread_scratch;
-}
+DEFINE_THREAD_SCRATCH(scratch_for)
 
 /* Query heads of KV heads [kv_begin, kv_end) of one sequence, for element type T (here and in
  * the AVX-512 variant, `max_seq_len` is the scores' row stride: SCORE_STRIDE). `head_dim`

@@ -35,17 +35,7 @@
 #ifdef HAVE_AVX512_PATH
 int paged_prefill_supported(void) { return 1; }
 
-static _Thread_local float* prefill_scratch = NULL;
-static _Thread_local size_t prefill_scratch_floats = 0;
-
-static float* prefill_scratch_for(size_t floats) {
-    if (floats > prefill_scratch_floats) {
-        free(prefill_scratch);
-        prefill_scratch = (float*)aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
-        prefill_scratch_floats = prefill_scratch == NULL ? 0 : floats;
-    }
-    return prefill_scratch;
-}
+DEFINE_THREAD_SCRATCH(prefill_scratch_for)
 
 static inline float to_f32_f32(float x) { return x; }
 static inline float to_f32_bf16(uint16_t x) { return bf16_to_f32(x); }

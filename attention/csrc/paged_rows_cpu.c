@@ -17,8 +17,9 @@
  *           sum in W lanes from key 0 on, lanes summed by a fixed tree: a function of the row's
  *           own length only;
  *   values  each output lane a chain over the row's keys in order, scaled by 1 / sum at the end.
- * Associative math is off for this file so the compiler cannot regroup those sums differently
- * where a tile's loops unroll differently (FMA contraction stays on).
+ * Associative math is off for this file (-fno-associative-math, attention/cpu_kernels.py) so the
+ * compiler cannot regroup those sums differently where a tile's loops unroll differently (FMA
+ * contraction stays on).
  *
  * Layout (as csrc/paged_decode_cpu.c):
  *   query, out   [num_tokens, num_heads, head_dim], rows `query_stride` / `out_stride` apart
@@ -29,8 +30,6 @@
  * head_dim must be a multiple of W (paged_rows_lanes()). Query head h reads KV head h / G,
  * G = num_heads / num_kv_heads.
  */
-#pragma GCC optimize("no-associative-math")
-
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -198,23 +197,31 @@ DEFINE_WEIGHTED_SUM(1)
 
 /* Scratch per thread, in floats: scores [n][score_stride], queries and accumulators [n][head_dim],
  * a block's token rows as float32 [block_size][token_stride], a row of zeros and [n] reciprocal
- * sums; n = max_tile_rows * num_heads. */
+ * sums; n = max_tile_rows times the query heads of a work item. */
 #define ROWS_SCRATCH_FLOATS(n, head_dim, block_size, token_stride, score_stride) \
     ((n) * (score_stride) + 2 * (n) * (head_dim) + (block_size) * (token_stride) + (head_dim) + (n))
 /* Room for a group of W scores past the longest row, rows 64-byte aligned. */
 #define ROWS_SCORE_STRIDE(max_seq_len) (((max_seq_len) + W + 15) / 16 * 16)
 
-static _Thread_local float* rows_scratch = NULL;
-static _Thread_local size_t rows_scratch_floats = 0;
+DEFINE_THREAD_SCRATCH(rows_scratch_for)
 
-static float* rows_scratch_for(size_t floats) {
-    if (floats > rows_scratch_floats) {
-        free(rows_scratch);
-        rows_scratch = (float*)aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
-        rows_scratch_floats = rows_scratch == NULL ? 0 : floats;
+/* Block b of a tile's walk over `cache` (K or V) up to key `len_max`: the next block asked for
+ * (blocks lie anywhere in the pool), this one's token rows of the item's heads (`row_len`
+ * elements from `first`) as float32. Sets how many rows it holds and their stride. */
+#define DEFINE_BLOCK_AT(SUFFIX, T)                                                                 \
+    static inline const float* block_at_##SUFFIX(                                                 \
+        const T* cache, const int32_t* table, int64_t b, int64_t num_blocks, int64_t len_max,     \
+        int64_t block_size, int64_t token_stride, int64_t first, int64_t row_len, float* buffer,  \
+        int64_t* filled, int64_t* stride) {                                                       \
+        const int64_t block_stride = block_size * token_stride;                                   \
+        *filled = b + 1 < num_blocks ? block_size : len_max - b * block_size;                     \
+        if (b + 1 < num_blocks)                                                                   \
+            prefetch_rows(cache + (int64_t)table[b + 1] * block_stride + first, block_size,       \
+                          token_stride, row_len * (int64_t)sizeof(T));                            \
+        return block_rows_##SUFFIX(buffer, cache + (int64_t)table[b] * block_stride + first,      \
+                                   *filled, token_stride, row_len, stride);                       \
     }
-    return rows_scratch;
-}
+#define WALK_ARGS block_size, token_stride, first, nkv * head_dim, buffer
 
 /* One tile's rows [row0, row0 + rows) and the query heads of KV heads [kv_begin, kv_end), in one
  * pass over the blocks for all those heads (each K/V token row read once, as the decode kernel
@@ -229,9 +236,7 @@ static float* rows_scratch_for(size_t floats) {
         const int64_t group = num_heads / num_kv_heads, vecs = head_dim / W;                      \
         const int64_t nkv = kv_end - kv_begin, nh = nkv * group, n = rows * nh;                   \
         const int64_t token_stride = num_kv_heads * head_dim;                                     \
-        const int64_t block_stride = block_size * token_stride;                                   \
         const int64_t first = kv_begin * head_dim; /* the item's first element of a token row */ \
-        const int64_t row_bytes = nkv * head_dim * (int64_t)sizeof(T);                            \
         const int64_t len_max = len0 + rows - 1;                                                  \
         const int64_t num_blocks = (len_max + block_size - 1) / block_size;                       \
         float* scores = scratch;                                                                  \
@@ -248,14 +253,9 @@ static float* rows_scratch_for(size_t floats) {
                 qs[i * head_dim + d] = load_##SUFFIX(q[d]) * scale;                               \
         }                                                                                         \
         for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            const int64_t filled = b + 1 < num_blocks ? block_size : len_max - b * block_size;    \
-            if (b + 1 < num_blocks)                                                               \
-                prefetch_rows(key_cache + (int64_t)table[b + 1] * block_stride + first,           \
-                              block_size, token_stride, row_bytes);                               \
-            int64_t stride;                                                                       \
-            const float* k0 = block_rows_##SUFFIX(                                                \
-                buffer, key_cache + (int64_t)table[b] * block_stride + first, filled,             \
-                token_stride, nkv * head_dim, &stride);                                           \
+            int64_t filled, stride;                                                               \
+            const float* k0 = block_at_##SUFFIX(key_cache, table, b, num_blocks, len_max,         \
+                                                WALK_ARGS, &filled, &stride);                     \
             for (int64_t p0 = 0; p0 < filled; p0 += W) { /* W token rows, all their heads */    \
                 for (int64_t kv = 0; kv < nkv; ++kv) {                                            \
                     const float* k[W];                                                            \
@@ -283,14 +283,9 @@ static float* rows_scratch_for(size_t floats) {
             inv[i] = 1.f / softmax_numerators(scores + i * score_stride, len0 + i / nh);          \
         memset(acc, 0, sizeof(float) * n * head_dim);                                             \
         for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            const int64_t filled = b + 1 < num_blocks ? block_size : len_max - b * block_size;    \
-            if (b + 1 < num_blocks)                                                               \
-                prefetch_rows(value_cache + (int64_t)table[b + 1] * block_stride + first,         \
-                              block_size, token_stride, row_bytes);                               \
-            int64_t stride;                                                                       \
-            const float* v0 = block_rows_##SUFFIX(                                                \
-                buffer, value_cache + (int64_t)table[b] * block_stride + first, filled,           \
-                token_stride, nkv * head_dim, &stride);                                           \
+            int64_t filled, stride;                                                               \
+            const float* v0 = block_at_##SUFFIX(value_cache, table, b, num_blocks, len_max,       \
+                                                WALK_ARGS, &filled, &stride);                     \
             for (int64_t i = 0; i < n; ++i) {                                                     \
                 const int64_t keys = len0 + i / nh - b * block_size;                              \
                 if (keys <= 0) continue;                                                          \
@@ -338,8 +333,8 @@ static float* rows_scratch_for(size_t floats) {
         const int64_t splits = num_tiles >= 2 * num_threads ? 1 : num_kv_heads;                   \
         const int64_t kv_per_item = num_kv_heads / splits;                                        \
         const size_t scratch_floats = (size_t)ROWS_SCRATCH_FLOATS(                                \
-            max_tile_rows * num_heads, head_dim, block_size, num_kv_heads * head_dim,             \
-            score_stride);                                                                        \
+            max_tile_rows * kv_per_item * (num_heads / num_kv_heads), head_dim, block_size,       \
+            num_kv_heads * head_dim, score_stride);                                               \
         (void)num_threads; /* without OpenMP: one thread */                                       \
         PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(num_threads))                    \
         for (int64_t item = 0; item < num_tiles * splits; ++item) {                               \
@@ -362,6 +357,8 @@ static float* rows_scratch_for(size_t floats) {
         return status;                                                                            \
     }
 
+DEFINE_BLOCK_AT(f32, float)
+DEFINE_BLOCK_AT(bf16, uint16_t)
 DEFINE_ATTEND_TILE(f32, float)
 DEFINE_ATTEND_TILE(bf16, uint16_t)
 DEFINE_PAGED_ROWS(f32, float)

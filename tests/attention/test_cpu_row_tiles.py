@@ -4,6 +4,11 @@ changes a bit of any row, the rows match the torch reference, and what it cannot
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _paged_batch import assert_close, random_batch
@@ -155,3 +160,44 @@ def test_exact_rows_are_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.undo()
         cpu_backend.exact_rows.cache_clear()
+
+
+_SIXTEEN_LANES = """
+import torch, sys
+sys.path.insert(0, {tests!r})
+from _paged_batch import assert_close, random_batch
+from pagedray.attention import cpu_row_tiles, torch_ref
+assert cpu_row_tiles.lanes() == 16, cpu_row_tiles.lanes()
+for dtype in (torch.float32, torch.bfloat16):
+    query, key_cache, value_cache, batch, scale = random_batch(
+        [37, 1, 20], [90, 33, 20], 6, 2, 80, 12, dtype
+    )
+    outs = []
+    for rows in (1, 5, 16):
+        out = torch.empty_like(query)
+        plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu, rows)
+        tables = batch.block_tables
+        cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables, plan, scale, out)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs)
+    assert_close(outs[0], torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))
+print("ok")
+"""
+
+
+def test_the_sixteen_lane_build_keeps_its_bits_by_any_tiling(tmp_path: Path) -> None:
+    """The arithmetic a CPU with AVX-512 builds (16 lanes, another sum tree), built here with
+    PAGEDRAY_ROWS_W16 (the compiler splits the vectors) in a process of its own. Also how $CC
+    may be a command line (`ccache gcc`, `gcc -m64`): 16 lanes only if its flag reached the
+    compiler."""
+    compiler = os.environ.get("CC") or "cc"
+    env = {
+        **os.environ,
+        "CC": f"{compiler} -DPAGEDRAY_ROWS_W16",
+        "PAGEDRAY_CACHE_DIR": str(tmp_path),
+    }
+    script = _SIXTEEN_LANES.format(tests=str(Path(__file__).parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

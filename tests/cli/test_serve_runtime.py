@@ -1,6 +1,6 @@
 """How `pagedray serve` sets up its local Ray (`serve_runtime.py`): the lean path's environment,
 the proxy's port, the readiness wait, and the dropped reconnect line. The path itself runs in
-tests/deploy (test_serve_binding.py: the ingress replica listens on the API port)."""
+tests/deploy (test_serve_api_port.py: the ingress replica listens on the API port)."""
 
 from __future__ import annotations
 

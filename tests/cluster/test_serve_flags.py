@@ -1,6 +1,6 @@
 """`pagedray serve`'s security flags, without starting anything: where the API key comes from,
 that only its digest is bound into the Serve application, the body limit, and the metrics host.
-Their effect on a running server: tests/deploy/test_serve_binding.py."""
+Their effect on a running server: tests/deploy/test_serve_api_port.py."""
 
 from __future__ import annotations
 

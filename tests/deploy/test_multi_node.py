@@ -30,11 +30,9 @@ def test_a_dead_nodes_streams_move_to_the_other_engine_and_its_engine_is_replace
     # The dead node held streams; they moved to the other engine: every stream is whole, its
     # usage counted once.
     assert on_victim >= 1 and len(whole) == len(streams), streams
-    # Greedy ones token for token as undisturbed (a seeded one draws the same numbers, but its
-    # context recomputed in one prefill may round a draw across a token's boundary: see
-    # docs/reliability.md; benchmarks/failover.py counts those).
-    greedy = range(0, len(streams), 2)
-    assert [streams[i]["text"] for i in greedy] == [report["reference"][i]["text"] for i in greedy]
+    # Token for token as undisturbed, greedy and seeded alike: the context recomputed in one
+    # prefill gives the same logits' bits as the decode steps that made it (exact rows).
+    assert [s["text"] for s in streams] == [r["text"] for r in report["reference"]]
     assert report["health_503_after_s"] < FAIL_FAST_S
     # Replaced on the node that joined; serving again.
     assert len(report["engine_nodes_after"]) == 2

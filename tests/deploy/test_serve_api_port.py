@@ -4,6 +4,13 @@ for a max_tokens that cannot fit, and logs that hold one access line per request
 no traceback for a stream its client dropped, and no per-call line of the engine at INFO; the
 engine's torch threads (a core left to the serving path), the scheduling policies of Ray's
 processes and of the model's threads, and the dashboard in Ray's Grafana.
+
+Where it listens and what its command lines show (issue P5's closed surface), on the same
+server: with the default `--host 127.0.0.1`, the API, the dashboard, Ray's metrics export port
+and Ray's own GCS and raylet listen on loopback only (Ray Serve 2.60 starts an inter-deployment
+gRPC server on "[::]:0" in every replica unconditionally, ray/serve/_private/replica.py: the one
+listener that cannot be kept on loopback, as the README says); the ingress replica itself on the
+API port; the engine replica at full priority; the API key given as a file in no command line.
 """
 
 from __future__ import annotations
@@ -14,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _subprocesses import ServeProcess, pagedray_serve, thread_policies
+from _subprocesses import (
+    ServeProcess,
+    command_line,
+    descendants,
+    listeners,
+    pagedray_serve,
+    thread_policies,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedray.cli.serve_runtime import (
@@ -132,12 +146,48 @@ def _check_ingress_runs_without_torch(server: ServeProcess) -> None:
     assert not maps_torch(ingress)
 
 
+SERVE_REPLICA = "ray::ServeReplica"  # the processes allowed to listen beyond loopback
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith(("127.", "::ffff:127.")) or address == "::1"
+
+
+def _check_listeners_and_command_lines(server: ServeProcess) -> None:
+    pids = {server.proc.pid, *descendants(server.proc.pid)}
+    found = listeners(pids)
+    ports = {port for _, port, _ in found}
+    api_port = int(server.url.rsplit(":", 1)[1])
+    assert {api_port, server.metrics_port} <= ports
+    # Direct ingress: the ingress replica itself listens on the API port, not Serve's proxy.
+    api_listeners = {command_line(pid) for _, port, pid in found if port == api_port}
+    assert api_listeners and all("OpenAIIngress" in c for c in api_listeners), api_listeners
+    # The model's threads run in the engine replica: at nice 0, not Ray's default 15.
+    engines = [pid for pid in pids if "PagedRayEngine" in command_line(pid)]
+    assert engines and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in engines)
+    exposed = [
+        (address, port, command_line(pid))
+        for address, port, pid in found
+        if not _loopback(address) and SERVE_REPLICA not in command_line(pid)
+    ]
+    assert not exposed, exposed
+    assert not [pid for pid in pids if KEY in command_line(pid)]
+    # The key works, and /health needs none.
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    models = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()
+    assert models["data"][0]["max_model_len"] == 32 * 16  # the pool's, not the model's
+
+
 def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> None:
     # No --num-threads: the default leaves a core to the serving path (1 thread on 2 cores).
     flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32"]
+    key_file = tmp_path / "api-key"
+    key_file.write_text(f"  {KEY}\n")
     # NOTE: pagedray serve writes each access line at once (Serve's throughput mode would buffer
     # 1,000), so they are in the replica logs read below.
-    with pagedray_serve(tiny_llama, *flags, "--api-key", KEY) as server:
+    with pagedray_serve(tiny_llama, *flags, "--api-key-file", str(key_file)) as server:
+        _check_listeners_and_command_lines(server)
         client = httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
         num_prompt = client.post("/tokenize", json={"prompt": "Hello"}).json()["count"]
         error = _error(

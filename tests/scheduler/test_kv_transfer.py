@@ -11,16 +11,17 @@ from pagedray.scheduler.kv_transfer import TierAddress
 from pagedray.workers.host_kv_buffer import tier_path
 
 
-def test_engines_share_blocks_only_with_one_layout_and_arithmetic(tiny_llama: str) -> None:
+def test_engines_share_blocks_only_with_one_arithmetic(tiny_llama: str, tmp_path: Path) -> None:
     shape = (3, 2, 4, 2, 8)
 
-    def address(node: str, arithmetic: str, directory: str) -> TierAddress:
-        path = tier_path(tiny_llama, torch.float32, shape, 1, arithmetic, Path(directory))
+    def address(node: str, arithmetic: str, directory: str, model: str = tiny_llama) -> TierAddress:
+        path = tier_path(model, torch.float32, shape, 1, arithmetic, Path(directory))
         return TierAddress(node, str(path))
 
     here = address("node-a", "cpu exact rows, kernels k1", "/dev/shm")
     assert here.same_blocks_as(address("node-a", "cpu exact rows, kernels k1", "/dev/shm"))
-    # Another node, its tier elsewhere: the same bits, sent as bytes.
-    assert here.same_blocks_as(address("node-b", "cpu exact rows, kernels k1", "/tmp"))
+    # Another node, the model and its tier elsewhere: the same bits, sent as bytes.
+    elsewhere = address("node-b", "cpu exact rows, kernels k1", "/tmp", str(tmp_path))
+    assert here.same_blocks_as(elsewhere) and here.path != elsewhere.path
     assert not here.same_blocks_as(address("node-a", "cpu by path, kernels k1", "/dev/shm"))
     assert not here.same_blocks_as(address("node-b", "cpu exact rows, kernels k2", "/tmp"))

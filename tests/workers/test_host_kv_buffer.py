@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedray.scheduler.host_kv_tier import create_or_open
-from pagedray.workers.host_kv_buffer import HostKVBuffer, tier_bytes, tier_path
+from pagedray.workers.host_kv_buffer import HostKVBuffer, open_tier, tier_bytes, tier_path
 
 # [layers, K/V, blocks, block size, heads, head dim]
 SHAPE = (3, 2, 10, 4, 2, 8)
@@ -80,3 +80,14 @@ def test_the_size_is_as_asked_or_a_share_of_free_memory(tmp_path: Path) -> None:
     assert tier_bytes(0, tmp_path) == 0
     assert tier_bytes(0.5, tmp_path) == 2**29
     assert 0 < tier_bytes(None, tmp_path) <= 8 * 2**30
+
+
+def test_opening_a_tier_names_what_the_others_hold(
+    tmp_path: Path, tiny_llama: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another build's tier file stays in /dev/shm: the log says how much it holds."""
+    (tmp_path / "pagedray-kv-0123456789abcdef-0123456789ab.tier").write_bytes(b"x" * 65536)
+    with caplog.at_level("WARNING"):
+        opened = open_tier(tiny_llama, 0.001, 0, 1, pool(torch.float32, 0), "k", tmp_path)
+    assert opened is not None
+    assert "1 other KV tier files" in caplog.text

@@ -123,9 +123,14 @@ def rope_and_store(
     return qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
 
 
+def setting() -> str:
+    """PAGEDRAY_CPU_LAYER_OPS: c (the default) or torch."""
+    return os.environ.get("PAGEDRAY_CPU_LAYER_OPS", "c")
+
+
 @functools.cache
 def _entries() -> dict[torch.dtype, dict[str, CFunction]]:
-    if os.environ.get("PAGEDRAY_CPU_LAYER_OPS", "c") == "torch" or not cpu_kernels.available():
+    if setting() == "torch" or not cpu_kernels.available():
         return {}
     lib = cpu_kernels.library()
     entries: dict[torch.dtype, dict[str, CFunction]] = {}

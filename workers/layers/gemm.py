@@ -89,10 +89,15 @@ def pack_module_weights(model: torch.nn.Module) -> int:
     return count
 
 
+def setting() -> str:
+    """PAGEDRAY_CPU_GEMM: onednn (the default) or torch."""
+    return os.environ.get("PAGEDRAY_CPU_GEMM", "onednn")
+
+
 @functools.cache
 def _onednn_dtypes() -> frozenset[torch.dtype]:
     """The dtypes oneDNN's matmul serves on this CPU, each checked once against `F.linear`."""
-    if os.environ.get("PAGEDRAY_CPU_GEMM", "onednn") == "torch":
+    if setting() == "torch":
         return frozenset()
     # oneDNN compiles a primitive per input shape and keeps 1,024: five projections of a layer
     # at every batch size up to 256 sequences already need more, and past its capacity the cache
