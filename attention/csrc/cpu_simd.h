@@ -3,7 +3,7 @@
  * paged_rows_cpu.c, layer_ops_cpu.c): bf16 conversions as torch rounds, OpenMP pragmas that
  * vanish without OpenMP, a scratch buffer per thread, a prefetch of scattered cache blocks, and
  * where the compiler targets AVX-512, 16-wide loads of K/V rows and an exponential for softmax.
- * Built with them by attention/cpu_kernels.py, which hashes this header into the build key.
+ * Built with them by attention/kernel_library.py, which hashes this header into the build key.
  */
 #ifndef PAGEDRAY_CPU_SIMD_H
 #define PAGEDRAY_CPU_SIMD_H

@@ -5,7 +5,7 @@
  *
  * Why: a decode step over a few sequences is made of small ops, and on the CPU each torch op
  * costs 1-3 us of dispatch before any arithmetic, about 150 us a layer; here each call is one
- * ctypes hop. Built into the same library as paged_decode_cpu.c by attention/cpu_kernels.py;
+ * ctypes hop. Built into the same library as paged_decode_cpu.c by attention/kernel_library.py;
  * workers/layers/cpu_ops.py calls it, and the torch code it replaces stays the reference.
  *
  * Rounding follows the torch code step for step, HF's order: in bf16 every op whose torch

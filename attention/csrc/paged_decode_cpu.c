@@ -5,7 +5,7 @@
  * tensor per layer (a full copy of the context's K and V) before SDPA reads it again. Here a
  * thread walks a sequence's block table once for the scores and once for the weighted sum of
  * values, so K and V are read once and never copied. Built and loaded by
- * attention/cpu_kernels.py with the system C compiler; the torch reference stays the oracle.
+ * attention/kernel_library.py with the system C compiler; the torch reference stays the oracle.
  *
  * Work items: with at least two decodes per thread, one item is a whole sequence, all its
  * heads, so each K/V row loaded is a token's contiguous [num_kv_heads, head_dim] slice. With

@@ -17,7 +17,7 @@
  *           sum in W lanes from key 0 on, lanes summed by a fixed tree: a function of the row's
  *           own length only;
  *   values  each output lane a chain over the row's keys in order, scaled by 1 / sum at the end.
- * Associative math is off for this file (-fno-associative-math, attention/cpu_kernels.py) so the
+ * Associative math is off for this file (-fno-associative-math, attention/kernel_library.py) so the
  * compiler cannot regroup those sums differently where a tile's loops unroll differently (FMA
  * contraction stays on).
  *
