@@ -5,6 +5,7 @@ config files and the Helm chart reach as `pagedray.cluster.openai_app:build_app`
 
 from __future__ import annotations
 
+import os
 from dataclasses import astuple
 from typing import Any, Callable, cast
 
@@ -17,6 +18,14 @@ from pagedray.cluster.response_store_deployment import ResponseStoreDeployment
 from pagedray.cluster.server_config import ServerConfig
 from pagedray.engine.config import EngineConfig, validated
 from pagedray.openai.ingress_guard import GuardSettings
+
+# A call to an engine whose connection broke fails at once, as KubeRay sets for every RayService:
+# Ray would otherwise hold it up to two seconds waiting for the GCS to report the actor dead,
+# which for a lost node comes only after the GCS's health checks give up (tens of seconds). The
+# ingress then moves the call's requests (cluster/migration.py); a live engine that lost one
+# connection costs a move, token-exact, and no more. A value in the environment of the process
+# building the app wins.
+DEATH_INFO_WAIT_ENV = "RAY_timeout_ms_task_wait_for_death_info"
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
@@ -64,10 +73,14 @@ def build_openai_app(
     engine = engine_deployment(engine_config, **options).bind(
         engine_config.model_dump(), **engine_kwargs
     )
+    death_info_wait = {DEATH_INFO_WAIT_ENV: os.environ.get(DEATH_INFO_WAIT_ENV, "0")}
     # NOTE: `serve.deployment` made these classes Deployments, which mypy cannot see.
     ingress = cast(Deployment, OpenAIIngress).options(
         num_replicas=server.num_ingress_replicas,
-        ray_actor_options={"num_cpus": server.ingress_num_cpus},
+        ray_actor_options={
+            "num_cpus": server.ingress_num_cpus,
+            "runtime_env": {"env_vars": death_info_wait},
+        },
         # An ingress replica being replaced drains as the engines do: its streams run through it.
         graceful_shutdown_timeout_s=drain_timeout_s(engine_config),
         graceful_shutdown_wait_loop_s=DRAIN_POLL_S,

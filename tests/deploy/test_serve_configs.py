@@ -97,3 +97,20 @@ def test_cpu_config_builds_a_cpu_engine(tmp_path: Path) -> None:
     total_cpus = sum(bundle["CPU"] for bundle in engine["bundles"])
     total_cpus += deployments["OpenAIIngress"]["actor_options"]["num_cpus"]
     assert total_cpus <= 2, "the CPU config should fit a 2-CPU machine"
+
+
+def test_the_ingress_fails_a_call_to_a_broken_engine_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its process does not wait for the GCS's word on an engine whose connection broke (for a
+    lost node, the GCS's health checks take tens of seconds): the call fails, its requests move
+    (issue P14). A value the operator set is kept."""
+    from pagedray.cluster.openai_app import DEATH_INFO_WAIT_ENV
+
+    monkeypatch.delenv(DEATH_INFO_WAIT_ENV, raising=False)
+    args = {**_application(CONFIGS[1]).args, "model": str(tmp_path)}
+    env = _build(args)["OpenAIIngress"]["actor_options"]["runtime_env"]["env_vars"]
+    assert env == {"RAY_timeout_ms_task_wait_for_death_info": "0"}
+    monkeypatch.setenv(DEATH_INFO_WAIT_ENV, "250")
+    env = _build(args)["OpenAIIngress"]["actor_options"]["runtime_env"]["env_vars"]
+    assert env[DEATH_INFO_WAIT_ENV] == "250"
