@@ -5,19 +5,20 @@ In plain torch, attention costs a gather that copies each sequence's whole conte
 before SDPA reads it again. The C kernels walk the block tables instead.
 
 By default every row, a decode's or a prefill chunk's, goes through csrc/paged_rows_cpu.c
-(attention/cpu_row_tiles.py): tiles of up to 16 consecutive rows of one sequence share each key
-and value block read, and each (row, key) pair goes through one fixed sequence of operations, so
-a row's result depends on its own context only. The projections are oneDNN GEMMs whose rows do
-not depend on how many rows a call has, so a token's logits are the same bits whether its
-context was computed by a prefill, in chunks, one decode step at a time, beside other requests
+(attention/cpu_row_tiles.py): tiles of up to 16 consecutive rows of one sequence, or of up to 16
+decodes whose sequences share a cached prefix, share each key and value block read (a shared prefix
+is read once a tile, not once a decode), and each (row, key) pair goes through one fixed sequence
+of operations, so a row's result depends on its own context only. The projections are oneDNN GEMMs
+whose rows do not depend on how many rows a call has, so a token's logits are the same bits whether
+its context was computed by a prefill, in chunks, one decode step at a time, beside other requests
 or behind a prefix that decode steps wrote (tests/engine/test_exact_rows.py), on CPUs of one
 instruction set (the kernels and oneDNN compile for the CPU they run on). That is what lets a
-seeded stream resumed on another engine, a preempted request recomputed, or a turn behind a
-cached prefix draw the tokens it would have drawn (without it, about one sampled stream in 17-30
-resumed on the default model departed). Float16 and head sizes the tile kernel does not take go
-through csrc/paged_decode_cpu.c one row at a time, with the same property (where the compiler
-has no _Float16, float16 takes the torch reference, by path). Tiles get fewer rows where a
-thread's scores would pass 16 MiB (long contexts); the bits do not change.
+seeded stream resumed on another engine, a preempted request recomputed, or a turn behind a cached
+prefix draw the tokens it would have drawn (without it, about one sampled stream in 17-30 resumed
+on the default model departed). Float16 and head sizes the tile kernel does not take go through
+csrc/paged_decode_cpu.c one row at a time, with the same property (where the compiler has no
+_Float16, float16 takes the torch reference, by path). Tiles get fewer rows where a thread's scores
+would pass 16 MiB (long contexts); the bits do not change.
 
 `PAGEDRAY_EXACT_ATTENTION=0` takes the kernels by path instead: csrc/paged_decode_cpu.c for
 sequences with one new token (AVX-512 where the CPU has it), csrc/paged_prefill_cpu.c for
@@ -116,7 +117,11 @@ def attend_rows(
         if tiles is None:  # the same for every layer of the step
             tile_rows = cpu_row_tiles.tile_rows_for(metadata.max_seq_len, query.shape[1])
             tiles = metadata.scratch["cpu.tiles"] = cpu_row_tiles.plan_tiles(
-                metadata.query_start_loc_cpu, metadata.seq_lens_cpu, tile_rows
+                metadata.query_start_loc_cpu,
+                metadata.seq_lens_cpu,
+                key_cache.shape[1],
+                tile_rows,
+                metadata.block_tables,  # decodes behind a shared prefix read it once
             )
         cpu_row_tiles.paged_rows(
             query, key_cache, value_cache, metadata.block_tables, tiles, scale, out

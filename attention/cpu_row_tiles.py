@@ -3,10 +3,14 @@ fixed by its own context, a key block read once for all the rows of a tile.
 
 Why a kernel of its own: a token's logits are the same bits by every path (prefill, chunks,
 decode steps, any batch) only if its attention is; the decode kernel gives that by computing each
-row alone, which makes a long prompt reread its context once per row. A tile of consecutive rows
-of one sequence shares each key and value block read among its rows and query heads, while each
-(row, key) pair still goes through one fixed sequence of operations (see the C source), so how
-rows are tiled never changes a bit: tests/attention/test_cpu_row_tiles.py checks it.
+row alone, which makes a long prompt reread its context once per row and a prefix that many
+requests share be read once per request. A tile of consecutive rows of one sequence, or of the
+decodes of sequences whose block tables begin with the same blocks, shares each key and value
+block read among its rows and query heads, while each (row, key) pair still goes through one
+fixed sequence of operations (see the C source), so how rows are tiled never changes a bit:
+tests/attention/test_cpu_row_tiles.py checks it. (vLLM's cascade attention reads a shared prefix
+once too, but merges its partial softmax with the rest's, a sum whose order depends on the
+batch.)
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ctypes
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagedray.attention import cpu_kernels
@@ -27,7 +32,7 @@ TILE_ROWS = 16
 SCORES_BUDGET_FLOATS = 1 << 22
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64]
+_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]
 _ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
 # paged_rows_*'s return codes besides 0 (see the C source).
 _NO_MEMORY, _BAD_LENGTH, _BAD_SHAPE = -1, -2, -3
@@ -48,10 +53,11 @@ def lanes() -> int:
 class RowTiles(NamedTuple):
     """A step's rows cut into tiles (plan_tiles), with the bounds paged_rows checks them by."""
 
-    tiles: torch.Tensor  # [num_tiles, 4] int64: first row, rows, keys its first row sees, table row
-    max_rows: int  # the most rows a tile holds
-    rows_end: int  # one past the last query row a tile names
-    tables_end: int  # one past the last block_tables row a tile names
+    entries: torch.Tensor  # [num_entries, 3] int64: a query row, keys it sees, its table row
+    tiles: torch.Tensor  # [num_tiles, 3] int64: first entry, entries, leading blocks shared
+    max_rows: int  # the most entries a tile holds
+    rows_end: int  # one past the last query row an entry names
+    tables_end: int  # one past the last block_tables row an entry names
     max_seq_len: int  # the most keys a row sees
 
 
@@ -63,31 +69,91 @@ def tile_rows_for(max_seq_len: int, num_heads: int) -> int:
 def plan_tiles(
     query_start_loc: list[int],  # [num_seqs + 1]: sequence i's rows are [start_i, start_i+1)
     seq_lens: list[int],  # [num_seqs]: keys sequence i's last row sees
+    block_size: int,
     tile_rows: int = TILE_ROWS,
+    block_tables: torch.Tensor | None = None,  # [num_seqs, max_blocks]: to find shared prefixes
 ) -> RowTiles:
-    """Each sequence's query rows cut into tiles of up to `tile_rows` (a decode: a tile of one)."""
-    num_rows = len(seq_lens)
-    if list(query_start_loc) == list(range(num_rows + 1)):  # decodes only: a tile a sequence
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        seqs = torch.arange(num_rows, dtype=torch.int64)
-        tiles_tensor = torch.stack([seqs, torch.ones_like(seqs), lens, seqs], dim=1)
-        return RowTiles(
-            tiles_tensor, int(num_rows > 0), num_rows, num_rows, max(seq_lens, default=0)
-        )
-    tiles: list[tuple[int, int, int, int]] = []
-    for seq, seq_len in enumerate(seq_lens):
+    """Each sequence's query rows cut into tiles of up to `tile_rows`. A decode is a tile of one,
+    unless `block_tables` is given: then decodes whose tables begin with the same block share
+    tiles of up to `tile_rows`, each reading the blocks its decodes share once.
+
+    Planned once a step for every layer, so kept to a few tensor operations: decodes as Python
+    lists, a prefill's rows as ranges."""
+    num_seqs = len(seq_lens)
+    decodes = [s for s in range(num_seqs) if query_start_loc[s + 1] - query_start_loc[s] == 1]
+    groups = _shared_prefix_groups(decodes, seq_lens, block_size, tile_rows, block_tables)
+    in_group = {seq for members, _ in groups for seq in members}
+    entries: list[int] = []  # decodes' (row, keys, table row), flat
+    tiles: list[int] = []  # (first entry, entries, shared blocks), flat
+    for members, shared in groups:
+        tiles += (len(entries) // 3, len(members), shared)
+        for seq in members:
+            entries += (query_start_loc[seq], seq_lens[seq], seq)
+    for seq in decodes:
+        if seq not in in_group:
+            tiles += (len(entries) // 3, 1, -(-seq_lens[seq] // block_size))
+            entries += (query_start_loc[seq], seq_lens[seq], seq)
+    parts = [torch.tensor(entries, dtype=torch.int64).reshape(-1, 3)]
+    num_entries = len(entries) // 3
+    for seq in range(num_seqs):  # prefill chunks: consecutive rows of one sequence a tile
         start, end = query_start_loc[seq], query_start_loc[seq + 1]
-        first_position = seq_len - (end - start)
+        if end - start < 2:
+            continue
+        first_keys = seq_lens[seq] - (end - start) + 1
+        rows = torch.arange(start, end, dtype=torch.int64)
+        parts.append(
+            torch.stack([rows, rows + (first_keys - start), torch.full_like(rows, seq)], 1)
+        )
         for row in range(start, end, tile_rows):
-            rows = min(tile_rows, end - row)
-            tiles.append((row, rows, first_position + row - start + 1, seq))
+            count = min(tile_rows, end - row)
+            last_keys = first_keys + row - start + count - 1
+            tiles += (num_entries + row - start, count, -(-last_keys // block_size))
+        num_entries += end - start
+    tile_tensor = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3)
     return RowTiles(
-        torch.tensor(tiles, dtype=torch.int64).reshape(-1, 4),
-        max((t[1] for t in tiles), default=0),
-        max((t[0] + t[1] for t in tiles), default=0),
-        len(seq_lens),
+        torch.cat(parts) if len(parts) > 1 else parts[0],
+        tile_tensor,
+        max(tiles[1::3], default=0),
+        query_start_loc[-1] if num_seqs else 0,
+        num_seqs,
         max(seq_lens, default=0),
     )
+
+
+def _shared_prefix_groups(
+    decodes: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    tile_rows: int,
+    block_tables: torch.Tensor | None,
+) -> list[tuple[list[int], int]]:
+    """Decodes whose block tables begin with the same block, `tile_rows` at most a group, with
+    how many leading blocks all of a group's tables hold alike (within every member's keys)."""
+    if block_tables is None or len(decodes) < 2 or tile_rows < 2:
+        return []
+    tables = block_tables.numpy()  # a CPU tensor's memory: numpy is cheaper on small arrays
+    by_first: dict[int, list[int]] = {}
+    for seq, first in zip(decodes, tables[decodes, 0].tolist()):
+        by_first.setdefault(first, []).append(seq)
+    chunks = [
+        members[i : i + tile_rows]
+        for members in by_first.values()
+        for i in range(0, len(members), tile_rows)
+    ]
+    chunks = [chunk for chunk in chunks if len(chunk) >= 2]
+    if not chunks:
+        return []
+    members = [seq for chunk in chunks for seq in chunk]
+    leaders = [chunk[0] for chunk in chunks for _ in chunk]
+    width = -(-max(seq_lens[seq] for seq in members) // block_size)
+    same = tables[members, :width] == tables[leaders, :width]
+    alike = np.logical_and.accumulate(same, axis=1).sum(axis=1).tolist()
+    groups, at = [], 0
+    for chunk in chunks:
+        own = min(-(-seq_lens[seq] // block_size) for seq in chunk)
+        groups.append((chunk, min(own, *alike[at : at + len(chunk)])))
+        at += len(chunk)
+    return groups
 
 
 def paged_rows(
@@ -100,13 +166,16 @@ def paged_rows(
     out: torch.Tensor,  # like query: the tiles' rows are written
 ) -> None:
     """Attention of each tile's rows over their contexts, read in place."""
-    tiles = plan.tiles
+    tiles, entries = plan.tiles, plan.entries
     if tiles.numel() == 0:
         return
     cpu_kernels.check_layout(query, key_cache, value_cache, block_tables, out)
-    cpu_kernels.check_index_tensor("tiles", tiles, torch.int64)
-    if tiles.dim() != 2 or tiles.shape[1] != 4 or not tiles.is_contiguous():
-        raise ValueError(f"tiles: expected a contiguous [num_tiles, 4] tensor, got {tiles.shape}")
+    for name, index in (("tiles", tiles), ("entries", entries)):
+        cpu_kernels.check_index_tensor(name, index, torch.int64)
+        if index.dim() != 2 or index.shape[1] != 3 or not index.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous [n, 3] tensor, got {index.shape}")
+    if int((tiles[:, 0] + tiles[:, 1]).max()) > entries.shape[0] or int(tiles[:, 0].min()) < 0:
+        raise ValueError("tiles name entries that are not there")
     if plan.tables_end > block_tables.shape[0] or plan.rows_end > query.shape[0]:
         raise ValueError("tiles name rows outside block_tables or query")
     if out.shape != query.shape or key_cache.shape != value_cache.shape:
@@ -120,6 +189,7 @@ def paged_rows(
         raise ValueError(f"no CPU row-tile kernel for {query.dtype} at head size {head_dim}")
     status = entry(
         *cpu_kernels.cache_args(query, key_cache, value_cache, block_tables),
+        entries.data_ptr(),
         tiles.data_ptr(),
         tiles.shape[0],
         plan.max_rows,
@@ -134,7 +204,10 @@ def paged_rows(
         torch.get_num_threads(),
     )
     if status == _BAD_LENGTH:
-        raise ValueError(f"a tile's rows see no keys or more than {plan.max_seq_len}")
+        raise ValueError(
+            f"a tile's rows see no keys or more than {plan.max_seq_len}, or it shares more "
+            "blocks than its rows read"
+        )
     if status == _NO_MEMORY:
         raise MemoryError("CPU row tiles: could not allocate a thread's scratch")
     if status == _BAD_SHAPE:

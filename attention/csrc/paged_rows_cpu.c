@@ -7,10 +7,12 @@
  * another token where a draw falls within that rounding. The prefill kernels (torch's flash
  * SDPA, csrc/paged_prefill_cpu.c) split a row's keys by how many rows they tile together; the
  * decode kernel sums each row alone but rereads its whole context for every row of a prompt
- * (2-2.7x the prefill kernels at 2-4K tokens). Here a tile is up to `max_tile_rows` consecutive
- * rows of one sequence (a decode is a tile of one): each key block is read once for all the
- * tile's rows and query heads, and every (row, key) score, softmax and weighted sum is the same
- * sequence of operations whatever the tile holds:
+ * (2-2.7x the prefill kernels at 2-4K tokens), and a prefix that many decodes share once per
+ * decode. Here a tile is up to `max_tile_rows` query rows: consecutive rows of one sequence, or
+ * the decodes of sequences whose block tables begin with the same blocks (a shared prefix). Each
+ * key block the tile's rows share is read once for all of them and their query heads, and every
+ * (row, key) score, softmax and weighted sum is the same sequence of operations whatever the tile
+ * holds:
  *   score   a dot product of W-lane partial sums over head_dim (W = 8, 16 with AVX-512), summed
  *           across lanes by one fixed tree (sum_lanes_each), in a full group of W keys or a tail;
  *   softmax the row's max (exact in any order), exponentials W at a time (element-wise), their
@@ -25,8 +27,9 @@
  *   query, out   [num_tokens, num_heads, head_dim], rows `query_stride` / `out_stride` apart
  *   key/value    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables [num_seqs, block_table_stride] int32
- *   tiles        [num_tiles, 4] int64: first query row, number of rows, keys its first row sees
- *                (row i sees that + i), its sequence's block_tables row
+ *   entries      [num_entries, 3] int64: a query row, the keys it sees, its block_tables row
+ *   tiles        [num_tiles, 3] int64: its first entry, how many, and how many leading blocks
+ *                are the same in all their tables (read once for all of them)
  * head_dim must be a multiple of W (paged_rows_lanes()). Query head h reads KV head h / G,
  * G = num_heads / num_kv_heads.
  */
@@ -205,16 +208,18 @@ DEFINE_WEIGHTED_SUM(1)
 
 DEFINE_THREAD_SCRATCH(rows_scratch_for)
 
-/* Block b of a tile's walk over `cache` (K or V) up to key `len_max`: the next block asked for
- * (blocks lie anywhere in the pool), this one's token rows of the item's heads (`row_len`
- * elements from `first`) as float32. Sets how many rows it holds and their stride. */
+/* Block b of a walk over `cache` (K or V) by `table`, `num_blocks` blocks long, of keys up to
+ * `len_max`: the next block asked for (blocks lie anywhere in the pool), this one's token rows of
+ * the item's heads (`row_len` elements from `first`) as float32. Sets how many rows it holds
+ * (at most a block, at most the keys left) and their stride. */
 #define DEFINE_BLOCK_AT(SUFFIX, T)                                                                 \
     static inline const float* block_at_##SUFFIX(                                                 \
         const T* cache, const int32_t* table, int64_t b, int64_t num_blocks, int64_t len_max,     \
         int64_t block_size, int64_t token_stride, int64_t first, int64_t row_len, float* buffer,  \
         int64_t* filled, int64_t* stride) {                                                       \
         const int64_t block_stride = block_size * token_stride;                                   \
-        *filled = b + 1 < num_blocks ? block_size : len_max - b * block_size;                     \
+        const int64_t left = len_max - b * block_size;                                            \
+        *filled = left < block_size ? left : block_size;                                          \
         if (b + 1 < num_blocks)                                                                   \
             prefetch_rows(cache + (int64_t)table[b + 1] * block_stride + first, block_size,       \
                           token_stride, row_len * (int64_t)sizeof(T));                            \
@@ -223,22 +228,83 @@ DEFINE_THREAD_SCRATCH(rows_scratch_for)
     }
 #define WALK_ARGS block_size, token_stride, first, nkv * head_dim, buffer
 
-/* One tile's rows [row0, row0 + rows) and the query heads of KV heads [kv_begin, kv_end), in one
- * pass over the blocks for all those heads (each K/V token row read once, as the decode kernel
- * reads it). Query vector i = r * nh + hh is row r's query head kv_begin * G + hh. */
+/* A tile's query vector i is entry i / nh's query head kv_begin * G + i % nh; an entry is
+ * (query row, keys it sees, block_tables row). */
+#define ENTRY_ROW(e) entries[3 * (e)]
+#define ENTRY_LEN(e) entries[3 * (e) + 1]
+#define ENTRY_TABLE(e) entries[3 * (e) + 2]
+
+/* Scores of the query vectors of entries [e0, e1) against block b's `filled` keys (token rows
+ * of k0, `stride` apart): for each key a dot product of W-lane partial sums, lanes summed by
+ * sum_lanes_each. A group of W keys past the block's end reads zeros; each key's lane is its
+ * own, so what the other lanes hold changes none of its bits. */
+static inline __attribute__((always_inline)) void score_block(
+    float* scores, int64_t score_stride, const float* qs, const float* k0, int64_t stride,
+    int64_t filled, int64_t b, int64_t block_size, int64_t e0, int64_t e1, int64_t nkv,
+    int64_t group, const int64_t head_dim, const float* zeros) {
+    const int64_t nh = nkv * group, vecs = head_dim / W;
+    for (int64_t p0 = 0; p0 < filled; p0 += W) /* W token rows, all their heads */
+        for (int64_t kv = 0; kv < nkv; ++kv) {
+            const float* k[W];
+            for (int t = 0; t < W; ++t)
+                k[t] = p0 + t < filled ? k0 + (p0 + t) * stride + kv * head_dim : zeros;
+            for (int64_t e = e0; e < e1; ++e)
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t i = e * nh + kv * group + g;
+                    const float* q = qs + i * head_dim;
+                    vf dots[W]; /* lane l of dots[t]: a chain over lanes j * W + l */
+                    const vf q0 = load_lanes(q);
+                    for (int t = 0; t < W; ++t) dots[t] = q0 * load_lanes(k[t]);
+                    for (int64_t j = 1; j < vecs; ++j) {
+                        const vf qj = load_lanes(q + j * W);
+                        for (int t = 0; t < W; ++t) dots[t] += qj * load_lanes(k[t] + j * W);
+                    }
+                    store_lanes(scores + i * score_stride + b * block_size + p0,
+                                sum_lanes_each(dots));
+                }
+        }
+}
+
+/* Each query vector of entries [e0, e1) adds block b's values, weighted by its softmax
+ * numerators, to its accumulators: one chain per output lane over the entry's keys in order. */
+static inline __attribute__((always_inline)) void value_block(
+    float* acc, const float* scores, int64_t score_stride, const float* v0, int64_t stride,
+    int64_t filled, int64_t b, int64_t block_size, const int64_t* entries, int64_t e0,
+    int64_t e1, int64_t nh, int64_t group, const int64_t head_dim) {
+    const int64_t vecs = head_dim / W;
+    for (int64_t i = e0 * nh; i < e1 * nh; ++i) {
+        const int64_t keys = ENTRY_LEN(i / nh) - b * block_size;
+        if (keys <= 0) continue;
+        const int64_t take = keys < filled ? keys : filled;
+        const float* w = scores + i * score_stride + b * block_size;
+        const float* v = v0 + (i % nh) / group * head_dim;
+        float* a = acc + i * head_dim;
+        int64_t j = 0; /* 8 chains at once where head_dim allows: FMA latency */
+        for (; j + 8 <= vecs; j += 8) weighted_sum_8(a + j * W, w, v + j * W, stride, take);
+        for (; j + 4 <= vecs; j += 4) weighted_sum_4(a + j * W, w, v + j * W, stride, take);
+        for (; j < vecs; ++j) weighted_sum_1(a + j * W, w, v + j * W, stride, take);
+    }
+}
+
+/* One tile: `count` entries and the query heads of KV heads [kv_begin, kv_end). Its first
+ * `shared` blocks are the same blocks in every entry's table (a prefix the sequences share, or
+ * one sequence's rows): each is read once for all entries and heads. Each entry then reads the
+ * rest of its context from its own table. Every (row, key) pair's score, softmax and weighted
+ * sum is the same sequence of operations either way, in the same key order. */
 #define DEFINE_ATTEND_TILE(SUFFIX, T)                                                              \
     static inline __attribute__((always_inline)) void attend_tile_##SUFFIX(                       \
         const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,           \
-        const int32_t* table, int64_t row0, int64_t rows, int64_t len0, int64_t num_heads,        \
-        int64_t num_kv_heads, int64_t kv_begin, int64_t kv_end, const int64_t head_dim,           \
-        int64_t block_size, int64_t score_stride, float scale, T* out, int64_t out_stride,        \
-        float* scratch) {                                                                         \
-        const int64_t group = num_heads / num_kv_heads, vecs = head_dim / W;                      \
-        const int64_t nkv = kv_end - kv_begin, nh = nkv * group, n = rows * nh;                   \
+        const int32_t* block_tables, int64_t block_table_stride, const int64_t* entries,          \
+        int64_t count, int64_t shared, int64_t num_heads, int64_t num_kv_heads, int64_t kv_begin, \
+        int64_t kv_end, const int64_t head_dim, int64_t block_size, int64_t score_stride,         \
+        float scale, T* out, int64_t out_stride, float* scratch) {                                \
+        const int64_t group = num_heads / num_kv_heads;                                           \
+        const int64_t nkv = kv_end - kv_begin, nh = nkv * group, n = count * nh;                  \
         const int64_t token_stride = num_kv_heads * head_dim;                                     \
         const int64_t first = kv_begin * head_dim; /* the item's first element of a token row */ \
-        const int64_t len_max = len0 + rows - 1;                                                  \
-        const int64_t num_blocks = (len_max + block_size - 1) / block_size;                       \
+        int64_t len_max = 0;                                                                      \
+        for (int64_t e = 0; e < count; ++e) len_max = ENTRY_LEN(e) > len_max ? ENTRY_LEN(e) : len_max; \
+        const int32_t* shared_table = block_tables + ENTRY_TABLE(0) * block_table_stride;         \
         float* scores = scratch;                                                                  \
         float* qs = scores + n * score_stride;                                                    \
         float* acc = qs + n * head_dim;                                                           \
@@ -247,62 +313,49 @@ DEFINE_THREAD_SCRATCH(rows_scratch_for)
         float* inv = zeros + head_dim; /* [n]: 1 / each softmax's sum */                          \
         memset(zeros, 0, sizeof(float) * head_dim);                                               \
         for (int64_t i = 0; i < n; ++i) {                                                         \
-            const T* q = query + (row0 + i / nh) * query_stride + first * group +                 \
+            const T* q = query + ENTRY_ROW(i / nh) * query_stride + first * group +               \
                          (i % nh) * head_dim;                                                     \
             for (int64_t d = 0; d < head_dim; ++d)                                                \
                 qs[i * head_dim + d] = load_##SUFFIX(q[d]) * scale;                               \
         }                                                                                         \
-        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            int64_t filled, stride;                                                               \
-            const float* k0 = block_at_##SUFFIX(key_cache, table, b, num_blocks, len_max,         \
+        int64_t filled, stride;                                                                   \
+        for (int64_t b = 0; b < shared; ++b) {                                                    \
+            const float* k0 = block_at_##SUFFIX(key_cache, shared_table, b, shared, len_max,      \
                                                 WALK_ARGS, &filled, &stride);                     \
-            for (int64_t p0 = 0; p0 < filled; p0 += W) { /* W token rows, all their heads */    \
-                for (int64_t kv = 0; kv < nkv; ++kv) {                                            \
-                    const float* k[W];                                                            \
-                    for (int t = 0; t < W; ++t)                                                   \
-                        k[t] = p0 + t < filled ? k0 + (p0 + t) * stride + kv * head_dim : zeros;  \
-                    for (int64_t r = 0; r < rows; ++r)                                            \
-                        for (int64_t g = 0; g < group; ++g) {                                     \
-                            const int64_t i = r * nh + kv * group + g;                            \
-                            const float* q = qs + i * head_dim;                                   \
-                            vf dots[W]; /* lane l of dots[t]: a chain over lanes j * W + l */     \
-                            const vf q0 = load_lanes(q);                                          \
-                            for (int t = 0; t < W; ++t) dots[t] = q0 * load_lanes(k[t]);          \
-                            for (int64_t j = 1; j < vecs; ++j) {                                  \
-                                const vf qj = load_lanes(q + j * W);                              \
-                                for (int t = 0; t < W; ++t)                                       \
-                                    dots[t] += qj * load_lanes(k[t] + j * W);                     \
-                            }                                                                     \
-                            store_lanes(scores + i * score_stride + b * block_size + p0,          \
-                                        sum_lanes_each(dots));                                    \
-                        }                                                                         \
-                }                                                                                 \
+            score_block(scores, score_stride, qs, k0, stride, filled, b, block_size, 0, count,    \
+                        nkv, group, head_dim, zeros);                                             \
+        }                                                                                         \
+        for (int64_t e = 0; e < count; ++e) {                                                     \
+            const int32_t* table = block_tables + ENTRY_TABLE(e) * block_table_stride;            \
+            const int64_t len = ENTRY_LEN(e), num_blocks = (len + block_size - 1) / block_size;   \
+            for (int64_t b = shared; b < num_blocks; ++b) {                                       \
+                const float* k0 = block_at_##SUFFIX(key_cache, table, b, num_blocks, len,         \
+                                                    WALK_ARGS, &filled, &stride);                 \
+                score_block(scores, score_stride, qs, k0, stride, filled, b, block_size, e,       \
+                            e + 1, nkv, group, head_dim, zeros);                                  \
             }                                                                                     \
         }                                                                                         \
         for (int64_t i = 0; i < n; ++i)                                                           \
-            inv[i] = 1.f / softmax_numerators(scores + i * score_stride, len0 + i / nh);          \
+            inv[i] = 1.f / softmax_numerators(scores + i * score_stride, ENTRY_LEN(i / nh));      \
         memset(acc, 0, sizeof(float) * n * head_dim);                                             \
-        for (int64_t b = 0; b < num_blocks; ++b) {                                                \
-            int64_t filled, stride;                                                               \
-            const float* v0 = block_at_##SUFFIX(value_cache, table, b, num_blocks, len_max,       \
+        for (int64_t b = 0; b < shared; ++b) {                                                    \
+            const float* v0 = block_at_##SUFFIX(value_cache, shared_table, b, shared, len_max,    \
                                                 WALK_ARGS, &filled, &stride);                     \
-            for (int64_t i = 0; i < n; ++i) {                                                     \
-                const int64_t keys = len0 + i / nh - b * block_size;                              \
-                if (keys <= 0) continue;                                                          \
-                const int64_t take = keys < filled ? keys : filled;                               \
-                const float* w = scores + i * score_stride + b * block_size;                      \
-                const float* v = v0 + (i % nh) / group * head_dim;                                \
-                float* a = acc + i * head_dim;                                                    \
-                int64_t j = 0; /* 8 chains at once where head_dim allows: FMA latency */          \
-                for (; j + 8 <= vecs; j += 8)                                                     \
-                    weighted_sum_8(a + j * W, w, v + j * W, stride, take);                        \
-                for (; j + 4 <= vecs; j += 4)                                                     \
-                    weighted_sum_4(a + j * W, w, v + j * W, stride, take);                        \
-                for (; j < vecs; ++j) weighted_sum_1(a + j * W, w, v + j * W, stride, take);      \
+            value_block(acc, scores, score_stride, v0, stride, filled, b, block_size, entries, 0, \
+                        count, nh, group, head_dim);                                              \
+        }                                                                                         \
+        for (int64_t e = 0; e < count; ++e) {                                                     \
+            const int32_t* table = block_tables + ENTRY_TABLE(e) * block_table_stride;            \
+            const int64_t len = ENTRY_LEN(e), num_blocks = (len + block_size - 1) / block_size;   \
+            for (int64_t b = shared; b < num_blocks; ++b) {                                       \
+                const float* v0 = block_at_##SUFFIX(value_cache, table, b, num_blocks, len,       \
+                                                    WALK_ARGS, &filled, &stride);                 \
+                value_block(acc, scores, score_stride, v0, stride, filled, b, block_size,         \
+                            entries, e, e + 1, nh, group, head_dim);                              \
             }                                                                                     \
         }                                                                                         \
         for (int64_t i = 0; i < n; ++i) {                                                         \
-            T* o = out + (row0 + i / nh) * out_stride + first * group + (i % nh) * head_dim;      \
+            T* o = out + ENTRY_ROW(i / nh) * out_stride + first * group + (i % nh) * head_dim;    \
             for (int64_t d = 0; d < head_dim; ++d)                                                \
                 store_##SUFFIX(o + d, acc[i * head_dim + d] * inv[i]);                            \
         }                                                                                         \
@@ -311,22 +364,43 @@ DEFINE_THREAD_SCRATCH(rows_scratch_for)
 /* Return codes (as paged_decode_*'s). */
 #define PAGED_ROWS_OK 0
 #define PAGED_ROWS_NO_MEMORY -1 /* a thread could not allocate its scratch */
-#define PAGED_ROWS_BAD_LENGTH -2 /* a tile outside [1, max_tile_rows] rows or max_seq_len keys */
+/* a tile of no entries or over max_tile_rows, an entry seeing no keys or over max_seq_len, more
+ * shared blocks than its longest entry's */
+#define PAGED_ROWS_BAD_LENGTH -2
 #define PAGED_ROWS_BAD_SHAPE -3 /* head_dim not a multiple of W */
 
-#define TILE_ARGS(HEAD_DIM)                                                                        \
-    query, query_stride, key_cache, value_cache, table, tile[0], tile[1], tile[2], num_heads,     \
-        num_kv_heads, kv_begin, kv_begin + kv_per_item, (HEAD_DIM), block_size, score_stride,     \
-        scale, out, out_stride, scratch
+/* Whether tile (first entry, entries, shared blocks) is one the kernel can read. */
+static int tile_fits(const int64_t* tile, const int64_t* all_entries, int64_t max_tile_rows,
+                     int64_t max_seq_len, int64_t block_size) {
+    if (tile[1] < 1 || tile[1] > max_tile_rows || tile[2] < 0) return 0;
+    const int64_t* entries = all_entries + 3 * tile[0];
+    int64_t len_max = 0;
+    for (int64_t e = 0; e < tile[1]; ++e) {
+        if (ENTRY_LEN(e) < 1 || ENTRY_LEN(e) > max_seq_len) return 0;
+        len_max = ENTRY_LEN(e) > len_max ? ENTRY_LEN(e) : len_max;
+    }
+    /* (Which blocks the entries' tables share is the caller's word; the first entry's table is
+     * read for them, past no entry's keys.) */
+    return tile[2] <= (len_max + block_size - 1) / block_size;
+}
 
-/* Tiles, or with fewer than two a thread, (tile, KV head) pairs, in parallel. */
+#define TILE_ARGS(HEAD_DIM)                                                                        \
+    query, query_stride, key_cache, value_cache, block_tables, block_table_stride,               \
+        entries + 3 * tile[0], tile[1], tile[2], num_heads, num_kv_heads, kv_begin,               \
+        kv_begin + kv_per_item, (HEAD_DIM), block_size, score_stride, scale, out, out_stride,     \
+        scratch
+
+/* Tiles, or with fewer than two a thread, (tile, KV head) pairs, in parallel. A tile is (its
+ * first entry in `entries`, how many, blocks they share); entries [num_entries, 3] are (query row,
+ * keys it sees, block_tables row). */
 #define DEFINE_PAGED_ROWS(SUFFIX, T)                                                               \
     int paged_rows_##SUFFIX(const T* query, int64_t query_stride, const T* key_cache,             \
                             const T* value_cache, const int32_t* block_tables,                    \
-                            int64_t block_table_stride, const int64_t* tiles, int64_t num_tiles,  \
-                            int64_t max_tile_rows, int64_t num_heads, int64_t num_kv_heads,       \
-                            int64_t head_dim, int64_t block_size, int64_t max_seq_len,            \
-                            float scale, T* out, int64_t out_stride, int64_t num_threads) {       \
+                            int64_t block_table_stride, const int64_t* entries,                   \
+                            const int64_t* tiles, int64_t num_tiles, int64_t max_tile_rows,       \
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,            \
+                            int64_t block_size, int64_t max_seq_len, float scale, T* out,         \
+                            int64_t out_stride, int64_t num_threads) {                            \
         if (head_dim % W != 0) return PAGED_ROWS_BAD_SHAPE;                                       \
         int status = PAGED_ROWS_OK;                                                               \
         const int64_t score_stride = ROWS_SCORE_STRIDE(max_seq_len);                              \
@@ -338,16 +412,15 @@ DEFINE_THREAD_SCRATCH(rows_scratch_for)
         (void)num_threads; /* without OpenMP: one thread */                                       \
         PRAGMA(omp parallel for schedule(dynamic, 1) num_threads(num_threads))                    \
         for (int64_t item = 0; item < num_tiles * splits; ++item) {                               \
-            const int64_t* tile = tiles + 4 * (item / splits);                                    \
+            const int64_t* tile = tiles + 3 * (item / splits);                                    \
             const int64_t kv_begin = (item % splits) * kv_per_item;                               \
             float* scratch = rows_scratch_for(scratch_floats);                                    \
-            if (scratch == NULL || tile[1] < 1 || tile[1] > max_tile_rows || tile[2] < 1 ||       \
-                tile[2] + tile[1] - 1 > max_seq_len) {                                            \
+            if (scratch == NULL ||                                                                \
+                !tile_fits(tile, entries, max_tile_rows, max_seq_len, block_size)) {              \
                 PRAGMA(omp atomic write)                                                          \
                 status = scratch == NULL ? PAGED_ROWS_NO_MEMORY : PAGED_ROWS_BAD_LENGTH;          \
                 continue;                                                                         \
             }                                                                                     \
-            const int32_t* table = block_tables + tile[3] * block_table_stride;                   \
             switch (head_dim) {                                                                   \
                 case 64: attend_tile_##SUFFIX(TILE_ARGS(64)); break;                              \
                 case 128: attend_tile_##SUFFIX(TILE_ARGS(128)); break;                            \

@@ -4,18 +4,21 @@ changes a bit of any row, the rows match the torch reference, and what it cannot
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _paged_batch import assert_close, random_batch
+from _paged_batch import assert_close, metadata_on_blocks, random_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedray.attention import cpu_backend, cpu_kernels, cpu_row_tiles, torch_ref
+from pagedray.attention.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
@@ -54,7 +57,7 @@ def test_any_tiling_gives_the_same_bits(
 
     def attend(rows: int) -> torch.Tensor:
         out = torch.full_like(query, float("nan"))
-        plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, seq_lens, rows)
+        plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, seq_lens, block_size, rows)
         cpu_row_tiles.paged_rows(
             query, key_cache, value_cache, batch.block_tables, plan, scale, out
         )
@@ -65,6 +68,98 @@ def test_any_tiling_gives_the_same_bits(
     assert_close(
         one_row_each, torch_ref.paged_attention(query, key_cache, value_cache, batch, scale)
     )
+
+
+def _shared_prefix_batch(
+    families: list[tuple[int, list[int]]],
+    prefills: list[tuple[int, int]],
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    order: random.Random,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
+    """Decodes in families whose block tables begin with the family's prefix blocks (the same
+    blocks: a cached prefix), each with blocks of its own after them, and prefill chunks beside
+    them, in a shuffled order; every block anywhere in the pool."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    sequences: list[tuple[int, int, int | None]] = []  # query len, seq len, family
+    for family, (prefix_blocks, extras) in enumerate(families):
+        sequences += [(1, prefix_blocks * block_size + extra, family) for extra in extras]
+    sequences += [(query_len, query_len + context, None) for query_len, context in prefills]
+    order.shuffle(sequences)
+    blocks_of = [-(-seq_len // block_size) for _, seq_len, _ in sequences]
+    num_blocks = 2 * sum(blocks_of) + 1
+    free = (1 + torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(7))).tolist()
+    prefixes = [[free.pop() for _ in range(prefix_blocks)] for prefix_blocks, _ in families]
+    tables = torch.zeros(len(sequences), max(blocks_of), dtype=torch.int32)
+    for i, (_, _, family) in enumerate(sequences):
+        ids = [] if family is None else list(prefixes[family])
+        ids += [free.pop() for _ in range(blocks_of[i] - len(ids))]
+        tables[i, : blocks_of[i]] = torch.tensor(ids, dtype=torch.int32)
+    query_lens = [query_len for query_len, _, _ in sequences]
+    seq_lens = [seq_len for _, seq_len, _ in sequences]
+    batch = metadata_on_blocks(query_lens, seq_lens, tables, block_size)
+    gen = torch.Generator().manual_seed(sum(seq_lens))
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, key_cache, value_cache, batch, 1.0 / math.sqrt(head_dim)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    # (prefix blocks, each member's tokens past them): members may end inside the prefix's last
+    # block or fill it exactly (0).
+    families=st.lists(
+        st.tuples(st.integers(1, 5), st.lists(st.integers(0, 40), min_size=1, max_size=6)),
+        min_size=1,
+        max_size=3,
+    ),
+    prefills=st.lists(st.tuples(st.integers(2, 30), st.integers(0, 40)), max_size=2),
+    shape=st.sampled_from([(4, 2, 64, 16), (14, 2, 64, 16), (3, 3, 128, 12), (6, 2, 80, 8)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    tile_rows=st.integers(2, 6),
+    order=st.randoms(use_true_random=False),
+)
+def test_decodes_behind_a_shared_prefix_read_it_once_with_the_same_bits(
+    families: list[tuple[int, list[int]]],
+    prefills: list[tuple[int, int]],
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    tile_rows: int,
+    order: random.Random,
+) -> None:
+    """Decodes whose tables begin with the same blocks share tiles that read those blocks once;
+    each row's bits are those it has alone."""
+    if not cpu_row_tiles.supports(dtype, shape[2]):
+        pytest.skip(f"head size {shape[2]} is no multiple of {cpu_row_tiles.lanes()} lanes here")
+    query, key_cache, value_cache, batch, scale = _shared_prefix_batch(
+        families, prefills, shape, dtype, order
+    )
+    block_size, tables = shape[3], batch.block_tables
+    starts, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
+
+    def attend(plan: cpu_row_tiles.RowTiles) -> torch.Tensor:
+        out = torch.full_like(query, float("nan"))
+        cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables, plan, scale, out)
+        return out
+
+    shared = cpu_row_tiles.plan_tiles(starts, seq_lens, block_size, tile_rows, tables)
+    # A family of two or more shares a tile, reading at least its first block once.
+    if any(len(extras) >= 2 for _, extras in families):
+        assert any(count >= 2 and blocks >= 1 for _, count, blocks in shared.tiles.tolist())
+    entries = shared.entries.tolist()
+    for first, count, blocks in shared.tiles.tolist():
+        tile = entries[first : first + count]
+        assert blocks <= -(-max(keys for _, keys, _ in tile) // block_size)
+        several = len({seq for _, _, seq in tile}) > 1
+        for _, keys, seq in tile:  # what a tile reads once is in every member's table alike
+            assert torch.equal(tables[seq, :blocks], tables[tile[0][2], :blocks])
+            assert not several or blocks <= -(-keys // block_size)  # within each one's keys
+    assert sorted(row for row, _, _ in entries) == list(range(query.shape[0]))
+    alone = attend(cpu_row_tiles.plan_tiles(starts, seq_lens, block_size, 1))
+    assert torch.equal(attend(shared), alone)
+    assert_close(alone, torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))
 
 
 @given(
@@ -78,13 +173,17 @@ def test_tiles_cover_each_row_once_with_its_own_context(
     for n in query_lens:
         starts.append(starts[-1] + n)
     seq_lens = [n + 3 * i for i, n in enumerate(query_lens)]
-    plan = cpu_row_tiles.plan_tiles(starts, seq_lens, tile_rows)
+    plan = cpu_row_tiles.plan_tiles(starts, seq_lens, 16, tile_rows)
     keys_of_row = {}
-    for first, rows, keys, seq in plan.tiles.tolist():
-        assert 1 <= rows <= tile_rows and rows <= plan.max_rows
-        for i in range(rows):
-            assert first + i not in keys_of_row
-            keys_of_row[first + i] = (keys + i, seq)
+    entries = plan.entries.tolist()
+    for first, count, shared in plan.tiles.tolist():
+        assert 1 <= count <= tile_rows and count <= plan.max_rows
+        tile = entries[first : first + count]
+        assert len({seq for _, _, seq in tile}) == 1  # no tables given: one sequence a tile
+        assert shared == -(-max(keys for _, keys, _ in tile) // 16)
+        for row, keys, seq in tile:
+            assert row not in keys_of_row
+            keys_of_row[row] = (keys, seq)
     expected = {}
     for seq, (start, end) in enumerate(zip(starts, starts[1:])):
         for row in range(start, end):
@@ -101,7 +200,7 @@ def test_same_bits_on_one_and_two_threads(seq_lens: list[int]) -> None:
     query, key_cache, value_cache, batch, scale = random_batch(
         query_lens, seq_lens, 8, 2, 64, 16, torch.float32
     )
-    plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, seq_lens)
+    plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, seq_lens, 16)
     before = torch.get_num_threads()
     outputs = []
     try:
@@ -122,7 +221,7 @@ def test_rejects_what_it_cannot_read() -> None:
         [5, 1], [20, 9], 4, 2, 64, 16, torch.float32
     )
     out = torch.empty_like(query)
-    plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu)
+    plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu, 16)
     tables = batch.block_tables
     with pytest.raises(ValueError, match="outside block_tables or query"):
         cpu_row_tiles.paged_rows(query[:5], key_cache, value_cache, tables, plan, scale, out[:5])
@@ -134,6 +233,19 @@ def test_rejects_what_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="share a dtype"):
         cpu_row_tiles.paged_rows(
             query, key_cache.double(), value_cache.double(), tables, plan, scale, out
+        )
+    decode = next(i for i, (first, _, _) in enumerate(plan.tiles.tolist()) if first == 0)
+    assert plan.entries[0].tolist() == [5, 9, 1]  # decodes first: the second sequence's
+    with pytest.raises(ValueError, match="shares more blocks"):  # the decode has 1 block
+        tiles = plan.tiles.clone()
+        tiles[decode, 2] = 2
+        overshared = plan._replace(tiles=tiles)
+        cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables, overshared, scale, out)
+    with pytest.raises(ValueError, match="entries that are not there"):
+        tiles = plan.tiles.clone()
+        tiles[-1, 1] = tiles[-1, 1] + 1  # one past the last entry
+        cpu_row_tiles.paged_rows(
+            query, key_cache, value_cache, tables, plan._replace(tiles=tiles), scale, out
         )
     odd = cpu_row_tiles.lanes() + 4
     assert not cpu_row_tiles.supports(torch.float32, odd)
@@ -165,7 +277,7 @@ def test_exact_rows_are_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 _SIXTEEN_LANES = """
 import torch, sys
 sys.path.insert(0, {tests!r})
-from _paged_batch import assert_close, random_batch
+from _paged_batch import assert_close, metadata_on_blocks, random_batch
 from pagedray.attention import cpu_row_tiles, torch_ref
 assert cpu_row_tiles.lanes() == 16, cpu_row_tiles.lanes()
 for dtype in (torch.float32, torch.bfloat16):
@@ -175,7 +287,7 @@ for dtype in (torch.float32, torch.bfloat16):
     outs = []
     for rows in (1, 5, 16):
         out = torch.empty_like(query)
-        plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu, rows)
+        plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu, 12, rows)
         tables = batch.block_tables
         cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables, plan, scale, out)
         outs.append(out)

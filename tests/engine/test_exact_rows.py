@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedray.attention import cpu_kernels
+from pagedray.attention import cpu_kernels, cpu_row_tiles
 from pagedray.llm import LLM
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -101,3 +101,32 @@ def test_a_tokens_logprob_is_the_same_bits_by_every_path(
     [next_turn] = _run(cached, [prompt + tokens[:cut]], single)
     assert next_turn.num_cached_tokens > len(prompt)  # decode-written blocks among them
     assert _chosen_logprobs(next_turn) == [expected[cut]]
+
+
+def test_decodes_behind_a_shared_prefix_share_its_reads_and_keep_their_bits(
+    tiny_models: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests behind one cached prefix decode in tiles that read its blocks once for all of
+    them (attention/cpu_row_tiles.py); each token's logprob is the bits it has alone."""
+    hidden = json.loads((Path(tiny_models["llama"]) / "config.json").read_text())["hidden_size"]
+    if not _gemm_rows_do_not_depend_on_the_batch(hidden):
+        pytest.skip("this CPU's GEMM rounds a row by the batch's size: outputs cannot be exact")
+    prefix = _prompt(1, 70)  # four whole blocks of 16 tokens and a part
+    prompts = [prefix + _prompt(10 + i, 3 + 7 * i) for i in range(5)]
+    alone = LLM(tiny_models["llama"], dtype="float32", enable_prefix_caching=False)
+    expected = [_chosen_logprobs(_run(alone, [p], WITH_LOGPROBS)[0]) for p in prompts]
+
+    shared_tiles: list[tuple[int, int]] = []  # (decodes, blocks read once) of each shared tile
+    planned = cpu_row_tiles._shared_prefix_groups
+
+    def recorded(*args: object) -> list[tuple[list[int], int]]:
+        groups = planned(*args)  # type: ignore[arg-type]
+        shared_tiles.extend((len(members), blocks) for members, blocks in groups)
+        return groups
+
+    monkeypatch.setattr(cpu_row_tiles, "_shared_prefix_groups", recorded)
+    cached = LLM(tiny_models["llama"], dtype="float32", enable_prefix_caching=True)
+    _run(cached, [prefix], SamplingParams(max_tokens=1))  # the prefix's blocks, cached
+    together = _run(cached, prompts, WITH_LOGPROBS)
+    assert [_chosen_logprobs(out) for out in together] == expected
+    assert max(shared_tiles) >= (5, 4)  # all five decodes, the prefix's whole blocks read once
