@@ -122,6 +122,7 @@ def attend_rows(
                 key_cache.shape[1],
                 tile_rows,
                 metadata.block_tables,  # decodes behind a shared prefix read it once
+                torch.get_num_threads(),
             )
         cpu_row_tiles.paged_rows(
             query, key_cache, value_cache, metadata.block_tables, tiles, scale, out

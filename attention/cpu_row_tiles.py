@@ -32,10 +32,10 @@ TILE_ROWS = 16
 SCORES_BUDGET_FLOATS = 1 << 22
 
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64]
+_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64]
 _ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
 # paged_rows_*'s return codes besides 0 (see the C source).
-_NO_MEMORY, _BAD_LENGTH, _BAD_SHAPE = -1, -2, -3
+_NO_MEMORY, _BAD_LENGTH, _BAD_SHAPE, _BAD_INDEX = -1, -2, -3, -4
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -51,13 +51,12 @@ def lanes() -> int:
 
 
 class RowTiles(NamedTuple):
-    """A step's rows cut into tiles (plan_tiles), with the bounds paged_rows checks them by."""
+    """A step's rows cut into tiles (plan_tiles), with the bounds the kernel's scratch is sized
+    by. The kernel checks each tile against them and against the tensors it reads."""
 
     entries: torch.Tensor  # [num_entries, 3] int64: a query row, keys it sees, its table row
     tiles: torch.Tensor  # [num_tiles, 3] int64: first entry, entries, leading blocks shared
     max_rows: int  # the most entries a tile holds
-    rows_end: int  # one past the last query row an entry names
-    tables_end: int  # one past the last block_tables row an entry names
     max_seq_len: int  # the most keys a row sees
 
 
@@ -72,16 +71,20 @@ def plan_tiles(
     block_size: int,
     tile_rows: int = TILE_ROWS,
     block_tables: torch.Tensor | None = None,  # [num_seqs, max_blocks]: to find shared prefixes
+    num_threads: int = 1,
 ) -> RowTiles:
     """Each sequence's query rows cut into tiles of up to `tile_rows`. A decode is a tile of one,
     unless `block_tables` is given: then decodes whose tables begin with the same block share
-    tiles of up to `tile_rows`, each reading the blocks its decodes share once.
+    tiles of up to `tile_rows`, each reading the blocks its decodes share once; fewer where the
+    step's decodes would leave fewer than two tiles for each of `num_threads` (the reads saved
+    are not worth idle cores).
 
     Planned once a step for every layer, so kept to a few tensor operations: decodes as Python
     lists, a prefill's rows as ranges."""
     num_seqs = len(seq_lens)
     decodes = [s for s in range(num_seqs) if query_start_loc[s + 1] - query_start_loc[s] == 1]
-    groups = _shared_prefix_groups(decodes, seq_lens, block_size, tile_rows, block_tables)
+    group_rows = min(tile_rows, max(2, -(-len(decodes) // (2 * max(1, num_threads)))))
+    groups = _shared_prefix_groups(decodes, seq_lens, block_size, group_rows, block_tables)
     in_group = {seq for members, _ in groups for seq in members}
     entries: list[int] = []  # decodes' (row, keys, table row), flat
     tiles: list[int] = []  # (first entry, entries, shared blocks), flat
@@ -114,8 +117,6 @@ def plan_tiles(
         torch.cat(parts) if len(parts) > 1 else parts[0],
         tile_tensor,
         max(tiles[1::3], default=0),
-        query_start_loc[-1] if num_seqs else 0,
-        num_seqs,
         max(seq_lens, default=0),
     )
 
@@ -174,10 +175,6 @@ def paged_rows(
         cpu_kernels.check_index_tensor(name, index, torch.int64)
         if index.dim() != 2 or index.shape[1] != 3 or not index.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous [n, 3] tensor, got {index.shape}")
-    if int((tiles[:, 0] + tiles[:, 1]).max()) > entries.shape[0] or int(tiles[:, 0].min()) < 0:
-        raise ValueError("tiles name entries that are not there")
-    if plan.tables_end > block_tables.shape[0] or plan.rows_end > query.shape[0]:
-        raise ValueError("tiles name rows outside block_tables or query")
     if out.shape != query.shape or key_cache.shape != value_cache.shape:
         raise ValueError(f"out {out.shape} must be query's {query.shape}, the caches one shape")
     _, num_heads, head_dim = query.shape
@@ -189,7 +186,10 @@ def paged_rows(
         raise ValueError(f"no CPU row-tile kernel for {query.dtype} at head size {head_dim}")
     status = entry(
         *cpu_kernels.cache_args(query, key_cache, value_cache, block_tables),
+        query.shape[0],
+        block_tables.shape[0],
         entries.data_ptr(),
+        entries.shape[0],
         tiles.data_ptr(),
         tiles.shape[0],
         plan.max_rows,
@@ -207,6 +207,11 @@ def paged_rows(
         raise ValueError(
             f"a tile's rows see no keys or more than {plan.max_seq_len}, or it shares more "
             "blocks than its rows read"
+        )
+    if status == _BAD_INDEX:
+        raise ValueError(
+            "a tile names an entry, a query row or a block_tables row that is not there, or "
+            "tables that differ in a block it reads as shared"
         )
     if status == _NO_MEMORY:
         raise MemoryError("CPU row tiles: could not allocate a thread's scratch")

@@ -23,9 +23,20 @@ from pagedray.openai.ingress_guard import GuardSettings
 # Ray would otherwise hold it up to two seconds waiting for the GCS to report the actor dead,
 # which for a lost node comes only after the GCS's health checks give up (tens of seconds). The
 # ingress then moves the call's requests (cluster/migration.py); a live engine that lost one
-# connection costs a move, token-exact, and no more. A value in the environment of the process
-# building the app wins.
+# connection costs a move, token-exact, and no more.
 DEATH_INFO_WAIT_ENV = "RAY_timeout_ms_task_wait_for_death_info"
+
+
+def ingress_runtime_env() -> dict[str, Any]:
+    """The ingress's runtime env: the job's (what Serve gives a deployment that names none of its
+    own: its pip, py_modules, env_vars), with no wait for death reports. A wait the job's env or
+    the environment of the process building the app sets is kept."""
+    import ray
+
+    job = dict(ray.get_runtime_context().runtime_env) if ray.is_initialized() else {}
+    env_vars = {DEATH_INFO_WAIT_ENV: os.environ.get(DEATH_INFO_WAIT_ENV, "0")}
+    return {**job, "env_vars": {**env_vars, **(job.get("env_vars") or {})}}
+
 
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
@@ -73,13 +84,12 @@ def build_openai_app(
     engine = engine_deployment(engine_config, **options).bind(
         engine_config.model_dump(), **engine_kwargs
     )
-    death_info_wait = {DEATH_INFO_WAIT_ENV: os.environ.get(DEATH_INFO_WAIT_ENV, "0")}
     # NOTE: `serve.deployment` made these classes Deployments, which mypy cannot see.
     ingress = cast(Deployment, OpenAIIngress).options(
         num_replicas=server.num_ingress_replicas,
         ray_actor_options={
             "num_cpus": server.ingress_num_cpus,
-            "runtime_env": {"env_vars": death_info_wait},
+            "runtime_env": ingress_runtime_env(),
         },
         # An ingress replica being replaced drains as the engines do: its streams run through it.
         graceful_shutdown_timeout_s=drain_timeout_s(engine_config),

@@ -21,7 +21,9 @@
  *   values  each output lane a chain over the row's keys in order, scaled by 1 / sum at the end.
  * Associative math is off for this file (-fno-associative-math, attention/kernel_library.py) so the
  * compiler cannot regroup those sums differently where a tile's loops unroll differently (FMA
- * contraction stays on).
+ * contraction stays on: each a * b + c is fused the same way at both places score_block and
+ * value_block are inlined, the shared blocks' walk and an entry's own, which the tests check on
+ * the build host's arithmetic and on the 16-lane one).
  *
  * Layout (as csrc/paged_decode_cpu.c):
  *   query, out   [num_tokens, num_heads, head_dim], rows `query_stride` / `out_stride` apart
@@ -302,9 +304,11 @@ static inline __attribute__((always_inline)) void value_block(
         const int64_t nkv = kv_end - kv_begin, nh = nkv * group, n = count * nh;                  \
         const int64_t token_stride = num_kv_heads * head_dim;                                     \
         const int64_t first = kv_begin * head_dim; /* the item's first element of a token row */ \
-        int64_t len_max = 0;                                                                      \
-        for (int64_t e = 0; e < count; ++e) len_max = ENTRY_LEN(e) > len_max ? ENTRY_LEN(e) : len_max; \
-        const int32_t* shared_table = block_tables + ENTRY_TABLE(0) * block_table_stride;         \
+        int64_t longest = 0; /* the shared blocks are read by its table: they lie within it */    \
+        for (int64_t e = 1; e < count; ++e)                                                       \
+            longest = ENTRY_LEN(e) > ENTRY_LEN(longest) ? e : longest;                            \
+        const int64_t len_max = ENTRY_LEN(longest);                                               \
+        const int32_t* shared_table = block_tables + ENTRY_TABLE(longest) * block_table_stride;   \
         float* scores = scratch;                                                                  \
         float* qs = scores + n * score_stride;                                                    \
         float* acc = qs + n * head_dim;                                                           \
@@ -368,20 +372,38 @@ static inline __attribute__((always_inline)) void value_block(
  * shared blocks than its longest entry's */
 #define PAGED_ROWS_BAD_LENGTH -2
 #define PAGED_ROWS_BAD_SHAPE -3 /* head_dim not a multiple of W */
+/* a tile naming entries past `num_entries`, an entry naming a query row or a block_tables row
+ * that is not there, or entries whose tables differ in a block their tile reads as shared */
+#define PAGED_ROWS_BAD_INDEX -4
 
-/* Whether tile (first entry, entries, shared blocks) is one the kernel can read. */
-static int tile_fits(const int64_t* tile, const int64_t* all_entries, int64_t max_tile_rows,
-                     int64_t max_seq_len, int64_t block_size) {
-    if (tile[1] < 1 || tile[1] > max_tile_rows || tile[2] < 0) return 0;
+/* PAGED_ROWS_OK if tile (first entry, entries, shared blocks) is one the kernel can read, else
+ * why not: every row and table it names is there, and the blocks it reads once are the same
+ * blocks in each entry's table, as far as the entry's keys go (past them an entry reads none). */
+static int tile_fits(const int64_t* tile, const int64_t* all_entries, int64_t num_entries,
+                     int64_t num_rows, const int32_t* block_tables, int64_t num_tables,
+                     int64_t block_table_stride, int64_t max_tile_rows, int64_t max_seq_len,
+                     int64_t block_size) {
+    if (tile[0] < 0 || tile[1] < 1 || tile[1] > num_entries - tile[0]) return PAGED_ROWS_BAD_INDEX;
+    if (tile[1] > max_tile_rows || tile[2] < 0) return PAGED_ROWS_BAD_LENGTH;
     const int64_t* entries = all_entries + 3 * tile[0];
-    int64_t len_max = 0;
+    int64_t longest = 0;
     for (int64_t e = 0; e < tile[1]; ++e) {
-        if (ENTRY_LEN(e) < 1 || ENTRY_LEN(e) > max_seq_len) return 0;
-        len_max = ENTRY_LEN(e) > len_max ? ENTRY_LEN(e) : len_max;
+        if (ENTRY_ROW(e) < 0 || ENTRY_ROW(e) >= num_rows || ENTRY_TABLE(e) < 0 ||
+            ENTRY_TABLE(e) >= num_tables)
+            return PAGED_ROWS_BAD_INDEX;
+        if (ENTRY_LEN(e) < 1 || ENTRY_LEN(e) > max_seq_len) return PAGED_ROWS_BAD_LENGTH;
+        longest = ENTRY_LEN(e) > ENTRY_LEN(longest) ? e : longest;
     }
-    /* (Which blocks the entries' tables share is the caller's word; the first entry's table is
-     * read for them, past no entry's keys.) */
-    return tile[2] <= (len_max + block_size - 1) / block_size;
+    if (tile[2] > (ENTRY_LEN(longest) + block_size - 1) / block_size) return PAGED_ROWS_BAD_LENGTH;
+    const int32_t* shared = block_tables + ENTRY_TABLE(longest) * block_table_stride;
+    for (int64_t e = 0; e < tile[1]; ++e) {
+        if (ENTRY_TABLE(e) == ENTRY_TABLE(longest)) continue;
+        const int32_t* own = block_tables + ENTRY_TABLE(e) * block_table_stride;
+        const int64_t own_blocks = (ENTRY_LEN(e) + block_size - 1) / block_size;
+        for (int64_t b = 0; b < tile[2] && b < own_blocks; ++b)
+            if (own[b] != shared[b]) return PAGED_ROWS_BAD_INDEX;
+    }
+    return PAGED_ROWS_OK;
 }
 
 #define TILE_ARGS(HEAD_DIM)                                                                        \
@@ -392,12 +414,14 @@ static int tile_fits(const int64_t* tile, const int64_t* all_entries, int64_t ma
 
 /* Tiles, or with fewer than two a thread, (tile, KV head) pairs, in parallel. A tile is (its
  * first entry in `entries`, how many, blocks they share); entries [num_entries, 3] are (query row,
- * keys it sees, block_tables row). */
+ * keys it sees, block_tables row), checked against the `num_rows` rows of query and out and the
+ * `num_tables` rows of block_tables. */
 #define DEFINE_PAGED_ROWS(SUFFIX, T)                                                               \
     int paged_rows_##SUFFIX(const T* query, int64_t query_stride, const T* key_cache,             \
                             const T* value_cache, const int32_t* block_tables,                    \
-                            int64_t block_table_stride, const int64_t* entries,                   \
-                            const int64_t* tiles, int64_t num_tiles, int64_t max_tile_rows,       \
+                            int64_t block_table_stride, int64_t num_rows, int64_t num_tables,     \
+                            const int64_t* entries, int64_t num_entries, const int64_t* tiles,    \
+                            int64_t num_tiles, int64_t max_tile_rows,                             \
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,            \
                             int64_t block_size, int64_t max_seq_len, float scale, T* out,         \
                             int64_t out_stride, int64_t num_threads) {                            \
@@ -415,10 +439,12 @@ static int tile_fits(const int64_t* tile, const int64_t* all_entries, int64_t ma
             const int64_t* tile = tiles + 3 * (item / splits);                                    \
             const int64_t kv_begin = (item % splits) * kv_per_item;                               \
             float* scratch = rows_scratch_for(scratch_floats);                                    \
-            if (scratch == NULL ||                                                                \
-                !tile_fits(tile, entries, max_tile_rows, max_seq_len, block_size)) {              \
+            const int fits = tile_fits(tile, entries, num_entries, num_rows, block_tables,        \
+                                       num_tables, block_table_stride, max_tile_rows,             \
+                                       max_seq_len, block_size);                                  \
+            if (scratch == NULL || fits != PAGED_ROWS_OK) {                                       \
                 PRAGMA(omp atomic write)                                                          \
-                status = scratch == NULL ? PAGED_ROWS_NO_MEMORY : PAGED_ROWS_BAD_LENGTH;          \
+                status = scratch == NULL ? PAGED_ROWS_NO_MEMORY : fits;                           \
                 continue;                                                                         \
             }                                                                                     \
             switch (head_dim) {                                                                   \

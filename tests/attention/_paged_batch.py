@@ -5,6 +5,7 @@ torch reference: shared by the tests of every attention backend (Triton, CPU).
 from __future__ import annotations
 
 import math
+import random
 from typing import Callable
 
 import pytest
@@ -125,3 +126,39 @@ def check_against_reference(
     metadata.scratch.clear()  # the backend under test derives its own per-step data
     actual = paged_attention(query, key_cache, value_cache, metadata, scale)
     assert_close(actual, expected)
+
+
+def shared_prefix_batch(
+    families: list[tuple[int, list[int]]],
+    prefills: list[tuple[int, int]],
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    order: random.Random,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
+    """Decodes in families whose block tables begin with the family's prefix blocks (the same
+    blocks: a cached prefix), each with blocks of its own after them, and prefill chunks beside
+    them, in a shuffled order; every block anywhere in the pool."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    sequences: list[tuple[int, int, int | None]] = []  # query len, seq len, family
+    for family, (prefix_blocks, extras) in enumerate(families):
+        sequences += [(1, prefix_blocks * block_size + extra, family) for extra in extras]
+    sequences += [(query_len, query_len + context, None) for query_len, context in prefills]
+    order.shuffle(sequences)
+    blocks_of = [-(-seq_len // block_size) for _, seq_len, _ in sequences]
+    num_blocks = 2 * sum(blocks_of) + 1
+    free = (1 + torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(7))).tolist()
+    prefixes = [[free.pop() for _ in range(prefix_blocks)] for prefix_blocks, _ in families]
+    tables = torch.zeros(len(sequences), max(blocks_of), dtype=torch.int32)
+    for i, (_, _, family) in enumerate(sequences):
+        ids = [] if family is None else list(prefixes[family])
+        ids += [free.pop() for _ in range(blocks_of[i] - len(ids))]
+        tables[i, : blocks_of[i]] = torch.tensor(ids, dtype=torch.int32)
+    query_lens = [query_len for query_len, _, _ in sequences]
+    seq_lens = [seq_len for _, seq_len, _ in sequences]
+    batch = metadata_on_blocks(query_lens, seq_lens, tables, block_size)
+    gen = torch.Generator().manual_seed(sum(seq_lens))
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, key_cache, value_cache, batch, 1.0 / math.sqrt(head_dim)

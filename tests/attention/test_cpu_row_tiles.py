@@ -4,7 +4,6 @@ changes a bit of any row, the rows match the torch reference, and what it cannot
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import subprocess
@@ -13,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _paged_batch import assert_close, metadata_on_blocks, random_batch
+from _paged_batch import assert_close, random_batch, shared_prefix_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedray.attention import cpu_backend, cpu_kernels, cpu_row_tiles, torch_ref
-from pagedray.attention.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="the C kernels did not build here (no C compiler)"
@@ -70,42 +68,6 @@ def test_any_tiling_gives_the_same_bits(
     )
 
 
-def _shared_prefix_batch(
-    families: list[tuple[int, list[int]]],
-    prefills: list[tuple[int, int]],
-    shape: tuple[int, int, int, int],
-    dtype: torch.dtype,
-    order: random.Random,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float]:
-    """Decodes in families whose block tables begin with the family's prefix blocks (the same
-    blocks: a cached prefix), each with blocks of its own after them, and prefill chunks beside
-    them, in a shuffled order; every block anywhere in the pool."""
-    num_heads, num_kv_heads, head_dim, block_size = shape
-    sequences: list[tuple[int, int, int | None]] = []  # query len, seq len, family
-    for family, (prefix_blocks, extras) in enumerate(families):
-        sequences += [(1, prefix_blocks * block_size + extra, family) for extra in extras]
-    sequences += [(query_len, query_len + context, None) for query_len, context in prefills]
-    order.shuffle(sequences)
-    blocks_of = [-(-seq_len // block_size) for _, seq_len, _ in sequences]
-    num_blocks = 2 * sum(blocks_of) + 1
-    free = (1 + torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(7))).tolist()
-    prefixes = [[free.pop() for _ in range(prefix_blocks)] for prefix_blocks, _ in families]
-    tables = torch.zeros(len(sequences), max(blocks_of), dtype=torch.int32)
-    for i, (_, _, family) in enumerate(sequences):
-        ids = [] if family is None else list(prefixes[family])
-        ids += [free.pop() for _ in range(blocks_of[i] - len(ids))]
-        tables[i, : blocks_of[i]] = torch.tensor(ids, dtype=torch.int32)
-    query_lens = [query_len for query_len, _, _ in sequences]
-    seq_lens = [seq_len for _, seq_len, _ in sequences]
-    batch = metadata_on_blocks(query_lens, seq_lens, tables, block_size)
-    gen = torch.Generator().manual_seed(sum(seq_lens))
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
-    return query, key_cache, value_cache, batch, 1.0 / math.sqrt(head_dim)
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     # (prefix blocks, each member's tokens past them): members may end inside the prefix's last
@@ -133,7 +95,7 @@ def test_decodes_behind_a_shared_prefix_read_it_once_with_the_same_bits(
     each row's bits are those it has alone."""
     if not cpu_row_tiles.supports(dtype, shape[2]):
         pytest.skip(f"head size {shape[2]} is no multiple of {cpu_row_tiles.lanes()} lanes here")
-    query, key_cache, value_cache, batch, scale = _shared_prefix_batch(
+    query, key_cache, value_cache, batch, scale = shared_prefix_batch(
         families, prefills, shape, dtype, order
     )
     block_size, tables = shape[3], batch.block_tables
@@ -189,7 +151,6 @@ def test_tiles_cover_each_row_once_with_its_own_context(
         for row in range(start, end):
             expected[row] = (seq_lens[seq] - (end - row) + 1, seq)
     assert keys_of_row == expected
-    assert plan.rows_end == starts[-1] or not plan.tiles.numel()
     assert plan.max_seq_len == max(seq_lens)
 
 
@@ -223,9 +184,9 @@ def test_rejects_what_it_cannot_read() -> None:
     out = torch.empty_like(query)
     plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu, 16)
     tables = batch.block_tables
-    with pytest.raises(ValueError, match="outside block_tables or query"):
+    with pytest.raises(ValueError, match="that is not there"):
         cpu_row_tiles.paged_rows(query[:5], key_cache, value_cache, tables, plan, scale, out[:5])
-    with pytest.raises(ValueError, match="outside block_tables or query"):
+    with pytest.raises(ValueError, match="that is not there"):
         cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables[:1], plan, scale, out)
     with pytest.raises(ValueError, match="more than 19"):  # would overrun the scores scratch
         short = plan._replace(max_seq_len=19)
@@ -241,12 +202,17 @@ def test_rejects_what_it_cannot_read() -> None:
         tiles[decode, 2] = 2
         overshared = plan._replace(tiles=tiles)
         cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables, overshared, scale, out)
-    with pytest.raises(ValueError, match="entries that are not there"):
+    with pytest.raises(ValueError, match="names an entry"):
         tiles = plan.tiles.clone()
         tiles[-1, 1] = tiles[-1, 1] + 1  # one past the last entry
         cpu_row_tiles.paged_rows(
             query, key_cache, value_cache, tables, plan._replace(tiles=tiles), scale, out
         )
+    with pytest.raises(ValueError, match="tables that differ"):  # two decodes, no block alike
+        q2, k2, v2, pair, _ = random_batch([1, 1], [20, 20], 4, 2, 64, 16, torch.float32)
+        plan2 = cpu_row_tiles.plan_tiles(pair.query_start_loc_cpu, pair.seq_lens_cpu, 16)
+        one_tile = plan2._replace(tiles=torch.tensor([[0, 2, 1]]), max_rows=2)
+        cpu_row_tiles.paged_rows(q2, k2, v2, pair.block_tables, one_tile, scale, q2.clone())
     odd = cpu_row_tiles.lanes() + 4
     assert not cpu_row_tiles.supports(torch.float32, odd)
     with pytest.raises(ValueError, match=f"head size {odd}"):
@@ -275,9 +241,9 @@ def test_exact_rows_are_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _SIXTEEN_LANES = """
-import torch, sys
+import random, sys, torch
 sys.path.insert(0, {tests!r})
-from _paged_batch import assert_close, metadata_on_blocks, random_batch
+from _paged_batch import assert_close, random_batch, shared_prefix_batch, shared_prefix_batch
 from pagedray.attention import cpu_row_tiles, torch_ref
 assert cpu_row_tiles.lanes() == 16, cpu_row_tiles.lanes()
 for dtype in (torch.float32, torch.bfloat16):
@@ -288,11 +254,25 @@ for dtype in (torch.float32, torch.bfloat16):
     for rows in (1, 5, 16):
         out = torch.empty_like(query)
         plan = cpu_row_tiles.plan_tiles(batch.query_start_loc_cpu, batch.seq_lens_cpu, 12, rows)
-        tables = batch.block_tables
-        cpu_row_tiles.paged_rows(query, key_cache, value_cache, tables, plan, scale, out)
+        every = batch.block_tables
+        cpu_row_tiles.paged_rows(query, key_cache, value_cache, every, plan, scale, out)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs)
     assert_close(outs[0], torch_ref.paged_attention(query, key_cache, value_cache, batch, scale))
+    # Decodes behind shared prefixes, a tile of them against each alone.
+    query, key_cache, value_cache, batch, scale = shared_prefix_batch(
+        [(3, [0, 5, 30, 17]), (1, [9, 2])], [(20, 11)], (6, 2, 80, 12), dtype, random.Random(1)
+    )
+    outs = []
+    for rows, tables in ((1, None), (16, batch.block_tables)):
+        out = torch.empty_like(query)
+        starts, lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
+        plan = cpu_row_tiles.plan_tiles(starts, lens, 12, rows, tables)
+        assert (plan.max_rows > 1) == (tables is not None)
+        every = batch.block_tables
+        cpu_row_tiles.paged_rows(query, key_cache, value_cache, every, plan, scale, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 print("ok")
 """
 

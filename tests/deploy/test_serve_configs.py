@@ -114,3 +114,28 @@ def test_the_ingress_fails_a_call_to_a_broken_engine_at_once(
     monkeypatch.setenv(DEATH_INFO_WAIT_ENV, "250")
     env = _build(args)["OpenAIIngress"]["actor_options"]["runtime_env"]["env_vars"]
     assert env[DEATH_INFO_WAIT_ENV] == "250"
+
+
+def test_the_ingress_keeps_the_jobs_runtime_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Naming a runtime env of its own, the ingress would lose the one Serve gives deployments
+    that name none (the job's): it carries the job's over, its env_vars merged."""
+    import ray
+
+    from pagedray.cluster.openai_app import DEATH_INFO_WAIT_ENV
+
+    monkeypatch.delenv(DEATH_INFO_WAIT_ENV, raising=False)
+    job = {"pip": ["example-package"], "env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+
+    class Context:
+        runtime_env = job
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    args = {**_application(CONFIGS[1]).args, "model": str(tmp_path)}
+    runtime_env = _build(args)["OpenAIIngress"]["actor_options"]["runtime_env"]
+    assert runtime_env == {
+        "pip": ["example-package"],
+        "env_vars": {"TOKENIZERS_PARALLELISM": "false", DEATH_INFO_WAIT_ENV: "0"},
+    }

@@ -129,4 +129,5 @@ def test_decodes_behind_a_shared_prefix_share_its_reads_and_keep_their_bits(
     _run(cached, [prefix], SamplingParams(max_tokens=1))  # the prefix's blocks, cached
     together = _run(cached, prompts, WITH_LOGPROBS)
     assert [_chosen_logprobs(out) for out in together] == expected
-    assert max(shared_tiles) >= (5, 4)  # all five decodes, the prefix's whole blocks read once
+    # Tiles of several decodes read the prefix's four whole blocks once for all of them.
+    assert any(decodes >= 2 and blocks == 4 for decodes, blocks in shared_tiles), shared_tiles
