@@ -9,7 +9,7 @@ node is removed the hard way (its raylet and workers killed): what happened to e
 text, its longest pause), /health, and the replacement once a node with room joins, is printed
 as one JSON line for the test (and benchmarks/failover.py) to judge.
 
-    python tests/deploy/_multi_node_scenario.py MODEL_DIR   # or `run_scenario(model_dir)`
+    python tests/deploy/_multi_node_scenario.py MODEL_DIR [MAX_TOKENS]   # or `run_scenario(...)`
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ from _subprocesses import descendants, kill_all, start_time  # noqa: E402
 from slow_engine import slow_engine_builder  # noqa: E402
 
 STREAMS = 6
-MAX_TOKENS = 200
-STEP_SLEEP_S = 0.05  # a stream lasts about 10 s, so the node dies while they run
+MAX_TOKENS = 200  # a stream's (the benchmark's; the test's are shorter)
+STEP_SLEEP_S = 0.05  # 200 tokens last about 10 s, so the node dies while they run
 # Room for every stream on one engine (6 x 14 blocks of 16 tokens): the moved ones are not held
 # up waiting for blocks, so their pause is the move's.
 KV_BLOCKS = 128
 TIMEOUT_S = 120.0
 
 
-def run_scenario(model: str, timeout_s: float, script: str = __file__) -> dict[str, Any]:
+def run_scenario(
+    model: str, timeout_s: float, script: str = __file__, args: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The scenario (`script`'s `main`, this one's by default) in a process of its own (it
     cannot share a Ray with its caller), serving `model`: its report. Every process it started
     is gone afterwards; an AssertionError with the output's end says why when no report came
@@ -52,7 +54,8 @@ def run_scenario(model: str, timeout_s: float, script: str = __file__) -> dict[s
     log_path = workdir / "scenario.log"
     started: set[tuple[int, int]] = set()
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, script, model], env=env, stdout=log, stderr=log)
+        command = [sys.executable, script, model, *args]
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
@@ -73,12 +76,12 @@ def run_scenario(model: str, timeout_s: float, script: str = __file__) -> dict[s
     return json.loads(lines[-1][len("REPORT ") :])
 
 
-def _stream(url: str, index: int, results: list[dict[str, Any]]) -> None:
+def _stream(url: str, index: int, max_tokens: int, results: list[dict[str, Any]]) -> None:
     """Stream `index`: greedy for an even index, seeded sampling for an odd one."""
     body = {
         "model": "tiny",
         "prompt": f"stream number {index}",
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -110,11 +113,11 @@ def _stream(url: str, index: int, results: list[dict[str, Any]]) -> None:
     results.append(outcome)
 
 
-def _run_streams(url: str) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
+def _run_streams(url: str, max_tokens: int) -> tuple[list[threading.Thread], list[dict[str, Any]]]:
     """Every stream at once, each on a thread of its own (started); their outcomes."""
     results: list[dict[str, Any]] = []
     threads = [
-        threading.Thread(target=_stream, args=(url, i, results), daemon=True)
+        threading.Thread(target=_stream, args=(url, i, max_tokens, results), daemon=True)
         for i in range(STREAMS)
     ]
     for thread in threads:
@@ -154,7 +157,7 @@ def _ingress_node() -> str:
     return node
 
 
-def main(model: str) -> None:
+def main(model: str, max_tokens: int = MAX_TOKENS) -> None:
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -189,14 +192,14 @@ def main(model: str) -> None:
         ingress_node = _ingress_node()
 
         # The same streams undisturbed first: what each must still say after the node dies.
-        threads, reference = _run_streams(url)
+        threads, reference = _run_streams(url, max_tokens)
         for thread in threads:
             thread.join(TIMEOUT_S)
         report["reference"] = [
             {"text": o["text"], "longest_pause_s": o["longest_pause_s"]}
             for o in sorted(reference, key=lambda o: o["index"])
         ]
-        threads, results = _run_streams(url)
+        threads, results = _run_streams(url, max_tokens)
 
         def running() -> dict[str, int]:
             stats = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
@@ -255,4 +258,4 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(int(arg) for arg in sys.argv[2:3]))

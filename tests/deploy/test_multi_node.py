@@ -8,19 +8,21 @@ from `_multi_node_scenario.py`; every process it started is gone afterwards.
 
 from __future__ import annotations
 
-from _multi_node_scenario import MAX_TOKENS, run_scenario
+from _multi_node_scenario import run_scenario
 
 TIMEOUT_S = 480.0
 # From the kill to /health's 503; Ray's own node-death timeouts are 30 s and more, so this
 # still tells a fast failure from a slow one. (Before requests moved, the dead node's streams
 # ended with a 503 1.6 s after the kill.)
 FAIL_FAST_S = 20.0
+# Each stream's tokens: about 6 s of slow steps, under way on both engines when the node dies.
+MAX_TOKENS = 120
 
 
 def test_a_dead_nodes_streams_move_to_the_other_engine_and_its_engine_is_replaced(
     tiny_llama: str,
 ) -> None:
-    report = run_scenario(tiny_llama, TIMEOUT_S)
+    report = run_scenario(tiny_llama, TIMEOUT_S, args=(str(MAX_TOKENS),))
 
     # One engine per node, each on a worker node.
     assert report["engine_nodes"] == report["worker_nodes"]
