@@ -288,6 +288,35 @@ static inline __attribute__((always_inline)) void value_block(
     }
 }
 
+/* A tile's walk over `cache` (K or V), in key order for every entry: its shared blocks, by the
+ * longest entry's table, for all its entries, then each entry's own blocks, from its own table,
+ * for that entry alone. BLOCK(rows, b, e0, e1) handles block b's token rows for entries
+ * [e0, e1); `filled` and `stride` say how many rows and how far apart. */
+#define WALK_TILE(SUFFIX, cache, BLOCK)                                                            \
+    do {                                                                                           \
+        for (int64_t b = 0; b < shared; ++b) {                                                     \
+            /* (read first: the block's `filled` and `stride` are set by reading it) */            \
+            const float* rows_ = block_at_##SUFFIX(cache, shared_table, b, shared, len_max,        \
+                                                   WALK_ARGS, &filled, &stride);                   \
+            BLOCK(rows_, b, 0, count);                                                             \
+        }                                                                                          \
+        for (int64_t e = 0; e < count; ++e) {                                                      \
+            const int32_t* table = block_tables + ENTRY_TABLE(e) * block_table_stride;             \
+            const int64_t len = ENTRY_LEN(e), num_blocks = (len + block_size - 1) / block_size;    \
+            for (int64_t b = shared; b < num_blocks; ++b) {                                        \
+                const float* rows_ = block_at_##SUFFIX(cache, table, b, num_blocks, len,           \
+                                                       WALK_ARGS, &filled, &stride);               \
+                BLOCK(rows_, b, e, e + 1);                                                         \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+#define SCORE_BLOCK(rows, b, e0, e1)                                                               \
+    score_block(scores, score_stride, qs, rows, stride, filled, b, block_size, e0, e1, nkv, group, \
+                head_dim, zeros)
+#define VALUE_BLOCK(rows, b, e0, e1)                                                               \
+    value_block(acc, scores, score_stride, rows, stride, filled, b, block_size, entries, e0, e1,   \
+                nh, group, head_dim)
+
 /* One tile: `count` entries and the query heads of KV heads [kv_begin, kv_end). Its first
  * `shared` blocks are the same blocks in every entry's table (a prefix the sequences share, or
  * one sequence's rows): each is read once for all entries and heads. Each entry then reads the
@@ -323,41 +352,11 @@ static inline __attribute__((always_inline)) void value_block(
                 qs[i * head_dim + d] = load_##SUFFIX(q[d]) * scale;                               \
         }                                                                                         \
         int64_t filled, stride;                                                                   \
-        for (int64_t b = 0; b < shared; ++b) {                                                    \
-            const float* k0 = block_at_##SUFFIX(key_cache, shared_table, b, shared, len_max,      \
-                                                WALK_ARGS, &filled, &stride);                     \
-            score_block(scores, score_stride, qs, k0, stride, filled, b, block_size, 0, count,    \
-                        nkv, group, head_dim, zeros);                                             \
-        }                                                                                         \
-        for (int64_t e = 0; e < count; ++e) {                                                     \
-            const int32_t* table = block_tables + ENTRY_TABLE(e) * block_table_stride;            \
-            const int64_t len = ENTRY_LEN(e), num_blocks = (len + block_size - 1) / block_size;   \
-            for (int64_t b = shared; b < num_blocks; ++b) {                                       \
-                const float* k0 = block_at_##SUFFIX(key_cache, table, b, num_blocks, len,         \
-                                                    WALK_ARGS, &filled, &stride);                 \
-                score_block(scores, score_stride, qs, k0, stride, filled, b, block_size, e,       \
-                            e + 1, nkv, group, head_dim, zeros);                                  \
-            }                                                                                     \
-        }                                                                                         \
+        WALK_TILE(SUFFIX, key_cache, SCORE_BLOCK);                                                \
         for (int64_t i = 0; i < n; ++i)                                                           \
             inv[i] = 1.f / softmax_numerators(scores + i * score_stride, ENTRY_LEN(i / nh));      \
         memset(acc, 0, sizeof(float) * n * head_dim);                                             \
-        for (int64_t b = 0; b < shared; ++b) {                                                    \
-            const float* v0 = block_at_##SUFFIX(value_cache, shared_table, b, shared, len_max,    \
-                                                WALK_ARGS, &filled, &stride);                     \
-            value_block(acc, scores, score_stride, v0, stride, filled, b, block_size, entries, 0, \
-                        count, nh, group, head_dim);                                              \
-        }                                                                                         \
-        for (int64_t e = 0; e < count; ++e) {                                                     \
-            const int32_t* table = block_tables + ENTRY_TABLE(e) * block_table_stride;            \
-            const int64_t len = ENTRY_LEN(e), num_blocks = (len + block_size - 1) / block_size;   \
-            for (int64_t b = shared; b < num_blocks; ++b) {                                       \
-                const float* v0 = block_at_##SUFFIX(value_cache, table, b, num_blocks, len,       \
-                                                    WALK_ARGS, &filled, &stride);                 \
-                value_block(acc, scores, score_stride, v0, stride, filled, b, block_size,         \
-                            entries, e, e + 1, nh, group, head_dim);                              \
-            }                                                                                     \
-        }                                                                                         \
+        WALK_TILE(SUFFIX, value_cache, VALUE_BLOCK);                                              \
         for (int64_t i = 0; i < n; ++i) {                                                         \
             T* o = out + ENTRY_ROW(i / nh) * out_stride + first * group + (i % nh) * head_dim;    \
             for (int64_t d = 0; d < head_dim; ++d)                                                \
