@@ -4,9 +4,10 @@ addressed to one replica (an ingress following that replica's outputs or KV inde
 Cache-aware: a request that carries its routing hashes (the ingress adds them when the engines
 publish their prefix caches, cluster/kv_views.py) goes to the replica holding most of its
 leading blocks, unless that replica's load exceeds the lightest's by `load_threshold` ongoing
-requests (then the lightest; SGLang's router balances the same way); with no match it is
-power-of-two. A replica's load here is this process's generation calls on it
-(`replica_watch.generating`), as each SGLang router counts its own.
+requests (then the lightest; SGLang's router balances the same way); with no match (or no
+hashes: `--routing power-of-two`) it is the lesser loaded of two drawn at random. A replica's
+load here is this process's generation calls on it (`replica_watch.generating`), as each SGLang
+router counts its own.
 
 A Serve handle has no way to call one chosen replica; a request router sees each call's
 arguments and can. Serve builds it from the deployment's `request_router_config` in every
@@ -180,8 +181,7 @@ class EngineRequestRouter(LocalityMixin, RequestRouter):
         _keep_decision(pending_request, decision)
         if ranked:
             return ranked
-        # The base class probes the queue length of both and sends to the shorter.
-        return [random.sample(pool, k=min(2, len(pool)))] if pool else []
+        return _power_of_two(pool)
 
     def _by_cached_prefix(
         self, replicas: list[RunningReplica], hashes: list[bytes]
@@ -295,6 +295,18 @@ def _keep_decision(pending_request: PendingRequest | None, decision: RoutingDeci
     request = _generate_request(pending_request)
     if request is not None:
         request.routing_decision = decision
+
+
+def _power_of_two(pool: list[RunningReplica]) -> list[list[RunningReplica]]:
+    """Two replicas drawn at random, the one with fewer of this process's generation calls first
+    (the draw's order among equals); Serve's probe then takes the first unless it is full.
+
+    NOTE: not Serve's own comparison of the two's queue lengths: those also count this process's
+    subscriptions and liveness probes, and cancelled calls for seconds after they ended; with
+    them, twelve concurrent streams once all went to one of two idle replicas."""
+    pair = random.sample(pool, k=min(2, len(pool)))
+    pair.sort(key=lambda replica: replica_watch.generating(replica.replica_id.unique_id))
+    return [group for group in (pair[:1], pair[1:]) if group]
 
 
 def _routing_hashes(pending_request: PendingRequest | None) -> list[bytes] | None:

@@ -78,6 +78,25 @@ def test_no_match_or_too_loaded_falls_back(views: KVViews) -> None:
     assert ranked == [] and (decision.reason, decision.matched) == ("no_match", {"a": 0, "b": 0})
 
 
+def test_with_nothing_to_match_the_less_loaded_of_two_goes_first() -> None:
+    """Power of two choices by this process's generation calls, not by Serve's queue lengths
+    (which count subscriptions and cancelled calls too)."""
+    a, b, c = _replica("a"), _replica("b"), _replica("c")
+    _router({"a": 3, "b": 1})
+    assert engine_router._power_of_two([a, b]) == [[b], [a]]
+    assert engine_router._power_of_two([a]) == [[a]]
+    assert engine_router._power_of_two([]) == []
+    firsts = set()
+    for _ in range(50):  # equals: either first, by the draw
+        ranked = engine_router._power_of_two([b, c] if len(firsts) % 2 else [c, b])
+        replica_watch._GENERATING.update({"b": 0, "c": 0})
+        firsts.add(ranked[0][0].replica_id.unique_id)
+        assert sorted(r.replica_id.unique_id for group in ranked for r in group) == ["b", "c"]
+    assert firsts == {"b", "c"}
+    three = engine_router._power_of_two([a, b, c])
+    assert len(three[0]) == 1 and len(three[1]) == 1  # two drawn of three
+
+
 def test_blocks_in_a_nodes_tier_count_weighted_after_the_pools(views: KVViews) -> None:
     """A block the replica's node holds in its host tier is loaded, not computed: it counts,
     less than one in the pool, and only where it continues the pool's run."""
