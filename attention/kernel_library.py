@@ -173,29 +173,32 @@ def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:
 def _run_all(commands: list[list[str]]) -> None:
     """Run `commands` at once; raise KernelBuildError for the first that fails (after every
     one has ended, so that no compiler outlives the build's temporary folder)."""
-    running: list[tuple[list[str], subprocess.Popen[str] | BaseException]] = []
+    started: list[tuple[list[str], subprocess.Popen[str] | OSError]] = []
     for command in commands:
         try:
-            process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            started.append(
+                (
+                    command,
+                    subprocess.Popen(
+                        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    ),
+                )
             )
         except OSError as error:
-            running.append((command, error))
-        else:
-            running.append((command, process))
+            started.append((command, error))
     errors = []
-    for command, process in running:
-        if isinstance(process, BaseException):
-            errors.append(f"{' '.join(command)}: {process}")
+    for command, run in started:
+        if isinstance(run, OSError):
+            errors.append(f"{' '.join(command)}: {run}")
             continue
         try:
-            output, _ = process.communicate(timeout=COMPILE_TIMEOUT_S)
+            output, _ = run.communicate(timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired as error:
-            process.kill()
-            process.communicate()
+            run.kill()
+            run.communicate()
             errors.append(f"{' '.join(command)}: {error}")
             continue
-        if process.returncode != 0:
+        if run.returncode != 0:
             errors.append(f"{' '.join(command)} failed: {output.strip()[-500:]}")
     if errors:
         raise KernelBuildError(errors[0])
