@@ -7,8 +7,9 @@ best FLOP/s torch's `linear` (oneDNN) reaches at the model's own projection shap
 dtype, on all the cores. Then it runs the engine offline (`LLM`, prefix caching off, so that
 every token is computed) and prints, per batch size:
 
-- decode: the step time, the bound (the bytes a step must read, the weights once and each
-  sequence's KV, over the copy bandwidth) and the bound as a share of the step;
+- decode: the step time against its bound, the larger of its memory time (the bytes a step
+  must read, the weights once and each sequence's KV, over the copy bandwidth) and its compute
+  time (its FLOPs at the GEMM peak), as a share of the step, and which of the two bounds it;
 - prefill: the FLOP/s achieved (2 × the projections' weights × tokens, the attention's causal
   products, and the LM head for each prompt's last token) as a share of the GEMM peak.
 
@@ -131,6 +132,13 @@ def model_cost(path: Path, config: ModelConfig) -> ModelCost:
     return ModelCost(decode_params * itemsize, layers, lm_head, kv_per_token * itemsize, width)
 
 
+def decode_flops(cost: ModelCost, batch: int, context: float) -> float:
+    """FLOPs of a decode step of `batch` sequences of `context` tokens: each token's projections
+    and LM head, and its query against every cached key and value."""
+    per_token = 2 * (cost.layer_linear_params + cost.lm_head_params)
+    return batch * (per_token + 2 * 2 * cost.attention_width * context)
+
+
 def _product(shape: list[int]) -> int:
     result = 1
     for dim in shape:
@@ -183,9 +191,16 @@ def main() -> None:
     vocab = config.vocab_size
     seed = iter(range(10**6))
     print(f"decode (prompt {args.prompt_len} tokens, {args.decode_tokens} generated):")
-    # The bound is taken at the copy bandwidth (STREAM's convention); a plain read runs faster
-    # here, so the share of the read bound is printed too, as the stricter figure.
-    print("  batch   step ms   bound ms   of bound   of read bound")
+    # A step can go no faster than its bytes at the memory bandwidth, nor its FLOPs at the GEMM
+    # peak: the bound is the larger (a roofline), and which one it is shows where the step sits
+    # (a large batch on a CPU with a low GEMM peak is compute-bound). The memory time is taken at
+    # the copy bandwidth (STREAM's convention); a plain read may run faster, so the share of the
+    # bound at the read bandwidth is printed too, as the stricter figure. The bandwidth is measured
+    # again beside each batch's steps: a shared VM's moved by 35-57 GB/s within one session.
+    print(
+        "  batch   step ms   copy GB/s   memory ms   compute ms   of bound   of read bound", end=""
+    )
+    print("   bound by")
     for batch in batches:
         steps = []
         for _ in range(args.repeats):
@@ -195,13 +210,17 @@ def main() -> None:
             )
             steps.append((many - one) / args.decode_tokens)
         step = statistics.median(steps)
+        copy_gbps, read_gbps = _bandwidth(args.repeats)
         context = args.prompt_len + args.decode_tokens / 2
         read = cost.decode_weight_bytes + batch * context * cost.kv_bytes_per_token
-        bound = read / (machine.copy_gbps * 1e9)
-        read_bound = read / (machine.read_gbps * 1e9)
+        memory = read / (copy_gbps * 1e9)
+        compute = decode_flops(cost, batch, context) / (machine.gemm_tflops * 1e12)
+        bound, read_bound = max(memory, compute), max(read / (read_gbps * 1e9), compute)
         print(
-            f"  {batch:5d}  {step * 1e3:8.2f}  {bound * 1e3:9.2f}  {bound / step:8.0%}"
-            f"  {read_bound / step:13.0%}"
+            f"  {batch:5d}  {step * 1e3:8.2f}  {copy_gbps:10.1f}  {memory * 1e3:10.2f}"
+            f"  {compute * 1e3:11.2f}"
+            f"  {bound / step:8.0%}  {read_bound / step:14.0%}"
+            f"   {'memory' if memory >= compute else 'compute'}"
         )
     print(f"prefill ({args.prefill_len} tokens a prompt, the first token only):")
     print("  batch   tokens/s   TFLOP/s   of peak")
