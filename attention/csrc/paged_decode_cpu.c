@@ -310,29 +310,9 @@ static inline void softmax_avx512(float* s, int64_t len) {
 #define ATTEND_ARGS(HEAD_DIM)                                                                     \
     q, key_cache, value_cache, table, len, num_heads, num_kv_heads, kv_begin, kv_end, (HEAD_DIM), \
         block_size, score_stride, scale, o, scratch
-/* One sequence's work item by FN, the head size made constant where it is a common one. */
-#define ATTEND_BY_HEAD_DIM(FN)                                                                    \
-    switch (head_dim) {                                                                           \
-        case 64: FN(ATTEND_ARGS(64)); break;                                                      \
-        case 128: FN(ATTEND_ARGS(128)); break;                                                    \
-        default: FN(ATTEND_ARGS(head_dim));                                                       \
-    }
-/* DISPATCH of DEFINE_PAGED_DECODE: FAST where the shapes allow it, else PORTABLE; or PORTABLE
- * alone where FAST would be PORTABLE itself (no AVX-512 path, float16), since two identical
- * dispatches double what the compiler inlines (the file took 11.5 s to compile, most of a first
- * start's build). */
-#define ATTEND_FAST_OR_PORTABLE(FAST, PORTABLE)                                                   \
-    if (fast) {                                                                                   \
-        ATTEND_BY_HEAD_DIM(FAST)                                                                  \
-    } else {                                                                                      \
-        ATTEND_BY_HEAD_DIM(PORTABLE)                                                              \
-    }
-#define ATTEND_PORTABLE(FAST, PORTABLE)                                                           \
-    (void)fast;                                                                                   \
-    ATTEND_BY_HEAD_DIM(PORTABLE)
 /* FAST: attend_sequence_avx512_* where this CPU and element type have it, for head sizes that are
  * a multiple of 16 up to 256; else the portable attend_sequence_* again. */
-#define DEFINE_PAGED_DECODE(SUFFIX, T, FAST, DISPATCH)                                             \
+#define DEFINE_PAGED_DECODE(SUFFIX, T, FAST)                                                        \
     int paged_decode_##SUFFIX(                                                                    \
         const T* query, int64_t query_stride, const T* key_cache, const T* value_cache,           \
         const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,         \
@@ -366,7 +346,19 @@ static inline void softmax_avx512(float* s, int64_t len) {
             const int64_t table_row = table_rows == NULL ? seq : table_rows[seq];                 \
             const int32_t* table = block_tables + table_row * block_table_stride;                 \
             const int64_t kv_end = kv_begin + kv_per_item;                                        \
-            DISPATCH(FAST, attend_sequence_##SUFFIX)                                              \
+            if (fast) {                                                                           \
+                switch (head_dim) {                                                               \
+                    case 64: FAST(ATTEND_ARGS(64)); break;                                        \
+                    case 128: FAST(ATTEND_ARGS(128)); break;                                      \
+                    default: FAST(ATTEND_ARGS(head_dim));                                         \
+                }                                                                                 \
+            } else {                                                                              \
+                switch (head_dim) {                                                               \
+                    case 64: attend_sequence_##SUFFIX(ATTEND_ARGS(64)); break;                    \
+                    case 128: attend_sequence_##SUFFIX(ATTEND_ARGS(128)); break;                  \
+                    default: attend_sequence_##SUFFIX(ATTEND_ARGS(head_dim));                     \
+                }                                                                                 \
+            }                                                                                     \
         }                                                                                         \
         return status;                                                                            \
     }
@@ -392,17 +384,17 @@ DEFINE_ATTEND_SEQUENCE(bf16, uint16_t)
 #ifdef HAVE_AVX512_PATH
 DEFINE_ATTEND_KV_AVX512(f32, float)
 DEFINE_ATTEND_KV_AVX512(bf16, uint16_t)
-DEFINE_PAGED_DECODE(f32, float, attend_sequence_avx512_f32, ATTEND_FAST_OR_PORTABLE)
-DEFINE_PAGED_DECODE(bf16, uint16_t, attend_sequence_avx512_bf16, ATTEND_FAST_OR_PORTABLE)
+DEFINE_PAGED_DECODE(f32, float, attend_sequence_avx512_f32)
+DEFINE_PAGED_DECODE(bf16, uint16_t, attend_sequence_avx512_bf16)
 #else
 #define MAX_VECS 16
 #define MAX_GROUP 8
-DEFINE_PAGED_DECODE(f32, float, attend_sequence_f32, ATTEND_PORTABLE)
-DEFINE_PAGED_DECODE(bf16, uint16_t, attend_sequence_bf16, ATTEND_PORTABLE)
+DEFINE_PAGED_DECODE(f32, float, attend_sequence_f32)
+DEFINE_PAGED_DECODE(bf16, uint16_t, attend_sequence_bf16)
 #endif
 #ifdef __FLT16_MAX__
 DEFINE_ATTEND_SEQUENCE(f16, _Float16)
-DEFINE_PAGED_DECODE(f16, _Float16, attend_sequence_f16, ATTEND_PORTABLE)
+DEFINE_PAGED_DECODE(f16, _Float16, attend_sequence_f16)
 int has_f16(void) { return 1; }
 #else
 int has_f16(void) { return 0; }
