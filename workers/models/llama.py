@@ -272,9 +272,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, metadata)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num, hidden_size] -> [num, vocab_size] float32 logits, identical on every rank."""
-        return self.lm_head.compute_logits(hidden_states).float()
+    def compute_logits(
+        self, hidden_states: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[num, hidden_size] -> [num, vocab_size] float32 logits, identical on every rank;
+        written into `out` ([num, vocab_size] float32) where given, and `out` returned."""
+        logits = self.lm_head.compute_logits(hidden_states)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of this rank's KV cache tensor for `num_blocks` blocks of `block_size` tokens."""
