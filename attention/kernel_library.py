@@ -18,6 +18,7 @@ reference serves instead (see attention/backend.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,8 +27,10 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +57,7 @@ _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
 # take the flag; clang ignores GCC's optimize pragma).
 _SOURCE_FLAGS = {"paged_rows_cpu.c": ("-fno-associative-math",)}
 _LINK_FLAGS = ("-shared",)
-COMPILE_TIMEOUT_S = 120  # a compiler command that runs longer has hung
+COMPILE_TIMEOUT_S = 120  # a build step (its commands side by side) that runs longer has hung
 # With OpenMP first; without it the kernel still runs, on one thread.
 _OPENMP_CHOICES = (("-fopenmp",), ())
 
@@ -165,43 +168,53 @@ def _compile(compiler: list[str], openmp: tuple[str, ...], path: Path) -> None:
             for source, obj in zip(SOURCES, objects)
         ]
         # The sources compile side by side: a first start waits for the slowest, not the sum.
-        _run_all(compiles)
-        _run_all([[*compiler, *_LINK_FLAGS, *openmp, *map(str, objects), "-o", str(lib), "-lm"]])
+        _run_all(compiles, Path(tmp))
+        link = [*compiler, *_LINK_FLAGS, *openmp, *map(str, objects), "-o", str(lib), "-lm"]
+        _run_all([link], Path(tmp))
         os.replace(lib, path)
 
 
-def _run_all(commands: list[list[str]]) -> None:
-    """Run `commands` at once; raise KernelBuildError for the first that fails (after every
-    one has ended, so that no compiler outlives the build's temporary folder)."""
-    started: list[tuple[list[str], subprocess.Popen[str] | OSError]] = []
-    for command in commands:
-        try:
-            started.append(
-                (
-                    command,
-                    subprocess.Popen(
-                        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                    ),
-                )
-            )
-        except OSError as error:
-            started.append((command, error))
+def _run_all(commands: list[list[str]], logs: Path) -> None:
+    """Run `commands` at once, each with its output in a file under `logs`; raise
+    KernelBuildError naming every one that failed. Each runs in a process group of its own, so
+    that one past the deadline is killed with the compiler's own children (gcc's cc1, as, ld),
+    and none is left running when this returns, however it returns: the build's temporary
+    folder is removed next."""
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S
+    started: list[tuple[list[str], Path, subprocess.Popen[bytes] | OSError]] = []
     errors = []
-    for command, run in started:
-        if isinstance(run, OSError):
-            errors.append(f"{' '.join(command)}: {run}")
-            continue
-        try:
-            output, _ = run.communicate(timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as error:
-            run.kill()
-            run.communicate()
-            errors.append(f"{' '.join(command)}: {error}")
-            continue
-        if run.returncode != 0:
-            errors.append(f"{' '.join(command)} failed: {output.strip()[-500:]}")
+    try:
+        for index, command in enumerate(commands):
+            log = logs / f"command-{index}.log"
+            try:
+                with log.open("wb") as out:
+                    process = subprocess.Popen(
+                        command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+            except OSError as error:
+                started.append((command, log, error))
+            else:
+                started.append((command, log, process))
+        for command, log, run in started:
+            if isinstance(run, OSError):
+                errors.append(f"{' '.join(command)}: {run}")
+                continue
+            try:
+                run.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                errors.append(f"{' '.join(command)}: still running after {COMPILE_TIMEOUT_S} s")
+                continue
+            if run.returncode != 0:
+                output = log.read_text(errors="replace").strip()[-500:]
+                errors.append(f"{' '.join(command)} failed: {output}")
+    finally:
+        for _, _, leftover in started:
+            if isinstance(leftover, subprocess.Popen) and leftover.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(leftover.pid, signal.SIGKILL)
+                leftover.wait()
     if errors:
-        raise KernelBuildError(errors[0])
+        raise KernelBuildError("; ".join(errors))
 
 
 def _build_key(compiler: list[str], source: bytes, openmp: tuple[str, ...]) -> str:

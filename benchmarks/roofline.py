@@ -198,7 +198,7 @@ def main() -> None:
     # bound at the read bandwidth is printed too, as the stricter figure. The bandwidth is measured
     # again beside each batch's steps: a shared VM's moved by 35-57 GB/s within one session.
     print(
-        "  batch   step ms   copy GB/s   memory ms   compute ms   of bound   of read bound", end=""
+        "  batch   step ms   copy GB/s   memory ms   compute ms  of bound   of read bound", end=""
     )
     print("   bound by")
     for batch in batches:

@@ -174,8 +174,7 @@ class ModelRunner:
         # In slices: a long prompt's full-vocabulary logits would otherwise be one huge tensor.
         for lo in range(0, len(rows), _PROMPT_LOGITS_SLICE):
             hi = min(lo + _PROMPT_LOGITS_SLICE, len(rows))
-            rows_out = self._logits_out(hi - lo)
-            logits = self.model.compute_logits(hidden[row_index[lo:hi]], rows_out)  # [hi - lo, V]
+            logits = self.model.compute_logits(hidden[row_index[lo:hi]])  # [hi - lo, vocab]
             if self.sampler is not None:
                 owner = list(range(hi - lo))
                 entries += token_logprobs(logits, owner, targets[lo:hi], num_top[lo:hi])
@@ -243,12 +242,13 @@ class ModelRunner:
         )
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
-        """Where this step's float32 logits go when the LM head computes in another dtype: one
-        buffer kept step after step, grown when a step samples more rows. A fresh tensor of 32
-        MB or more is a fresh mmap that glibc unmaps on release, whose page faults cost more than
-        the copy: 64 rows of a 151,936-token vocabulary took 11 ms to convert, 1.2 into a kept
-        buffer (2 threads). Valid until the next step's logits; None for a float32 head, whose
-        logits are already the GEMM's own output."""
+        """Where the float32 logits of the rows a step samples go when the LM head computes in
+        another dtype: one buffer kept step after step, grown when a step samples more rows (at
+        most the batch's sequences). A fresh tensor of 32 MB or more is a fresh mmap that glibc
+        unmaps on release, whose page faults cost more than the copy: 64 rows of a 151,936-token
+        vocabulary took 11 ms to convert, 1.2 into a kept buffer (2 threads). Valid until the
+        next step's; None for a float32 head, whose logits are already the GEMM's own output.
+        (Prompt logprobs, rarer and in slices of up to 256 rows, keep no buffer.)"""
         config = self.model.config
         if config.dtype == torch.float32:
             return None

@@ -280,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head.compute_logits(hidden_states)
         if out is None:
             return logits.float()
+        if out.shape != logits.shape or out.dtype != torch.float32:
+            raise ValueError(f"out: {out.dtype} {tuple(out.shape)}, logits {tuple(logits.shape)}")
         return out.copy_(logits)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
