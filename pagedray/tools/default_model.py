@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedray.cache_dir import cache_dir
@@ -92,7 +93,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_ARCH = "llama"
 DEFAULT_PRESET = "small"
 # Bump when the corpus, tokenizer recipe or init changes, so stale cached builds are not reused.
-CACHE_VERSION = "v2"
+CACHE_VERSION = "v3"
 
 # transformers' config and model classes of each arch, by name: torch and transformers are
 # imported only to build, so that `pagedray serve` with a cached build (every start but the first)
@@ -120,6 +121,8 @@ INITIALIZER_RANGE = 0.1
 # Target std of the logits over the vocabulary: wide enough that top-2 gaps sit well above float
 # noise, narrow enough that sampling at temperature 1 still diverges between sequences.
 LOGIT_STD = 4.0
+# How the byte-level alphabet spells a space byte (0x20), as in "Ġthe".
+BYTE_LEVEL_SPACE = "\u0120"
 _NUM_SENTENCES = 6000
 _NUM_PSEUDO_WORDS = 1500
 
@@ -239,9 +242,15 @@ def _build_tokenizer(vocab_size: int, seed: int, model_max_length: int) -> PreTr
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
-    # The trainer may stop short of its target on a small corpus; reserved tokens fill the rest.
-    num_reserved = vocab_size - tokenizer.get_vocab_size()
-    tokenizer.add_special_tokens([f"<|reserved_{idx}|>" for idx in range(num_reserved)])
+    # NOTE: on this corpus the trainer stops at about 6,100 entries, short of the real shapes'
+    # 151,936 and 128,256. The rest are ordinary vocabulary entries, as a published vocabulary's
+    # rare tokens are, not added tokens: a published tokenizer has a few dozen of those, and
+    # llguidance's index of a vocabulary grows with their square (145,817 added tokens took it
+    # 79 s, holding the GIL; as vocabulary entries, 0.5 s).
+    shortfall = vocab_size - NUM_RESERVED - tokenizer.get_vocab_size()
+    if shortfall > 0:
+        tokenizer = _with_filler_words(tokenizer, shortfall, random.Random(seed))
+    tokenizer.add_special_tokens([f"<|reserved_{idx}|>" for idx in range(NUM_RESERVED)])
     assert tokenizer.get_vocab_size() == vocab_size
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -253,6 +262,27 @@ def _build_tokenizer(vocab_size: int, seed: int, model_max_length: int) -> PreTr
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
+
+
+def _with_filler_words(tokenizer: Tokenizer, count: int, rng: random.Random) -> Tokenizer:
+    """`tokenizer` with `count` made-up words (" " and 2-4 syllables) after its vocabulary. No
+    merge makes them, so encoding never emits one; the model may, and each decodes to its word."""
+    from tokenizers import Tokenizer
+
+    state = json.loads(tokenizer.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    next_id = max(vocab.values()) + 1
+    assert next_id == tokenizer.get_vocab_size()  # no added tokens past the vocabulary yet
+    while count:
+        syllables = rng.randint(2, 4)
+        word = BYTE_LEVEL_SPACE + "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
+        )
+        if word not in vocab:
+            vocab[word] = next_id
+            next_id += 1
+            count -= 1
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedray.tools.default_model import (
     ARCHS,
+    NUM_RESERVED,
     PRESET_ARCHS,
     PRESETS,
     SPECIAL_TOKENS,
@@ -263,6 +264,10 @@ def test_a_real_shape_builds_and_runs_token_exact_with_transformers(
     assert raw["architectures"] == ["Qwen2ForCausalLM"] and raw["vocab_size"] == 151936
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert len(tokenizer) == 151936
+    # As a published tokenizer: a few added tokens, every other id the model's vocabulary (145,817
+    # added tokens made llguidance's index of it take 79 s, holding the GIL).
+    assert len(tokenizer.added_tokens_decoder) == len(SPECIAL_TOKENS) + NUM_RESERVED
+    assert tokenizer.decode([151935 - NUM_RESERVED]).strip().isalpha()
     prompt = tokenizer.encode("Once upon a time, in a city far away,")
     llm = LLM(str(path), max_model_len=256, num_kv_blocks=16, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
