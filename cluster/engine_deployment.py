@@ -95,7 +95,7 @@ class EngineDeployment:
             engine_builder or _replica_engine, self.config
         )
         if engine.scheduler.structured is not None:
-            engine.scheduler.structured.warm_up()  # the grammars' tokenizer, in the background
+            engine.scheduler.structured.prepare()  # before this replica counts as ready
         # The name clients use, as the ingress answers it: the `model_name` tag of every metric.
         model_name = self.config.served_name()
         self.engine = AsyncEngine(

@@ -155,10 +155,16 @@ class StructuredOutputManager:
                 return RequestGrammar.of(template.deep_copy())
         return RequestGrammar(self._compile_pool.submit(self._matcher, params.key))
 
-    def warm_up(self) -> None:
-        """Read the tokenizer and index its vocabulary on the compile thread now, before the
-        first structured request needs it (a new replica is ready without having waited)."""
-        self._compile_pool.submit(self._llg_tokenizer)
+    def prepare(self) -> None:
+        """Read the tokenizer and index its vocabulary now, before the first structured request
+        needs it, and wait for it: llguidance holds the GIL while it indexes (0.5-1 s for a
+        150,000-token vocabulary), so an index built beside a serving engine stalls its steps and
+        its health checks. For servers; offline, the first structured request builds it. A
+        tokenizer it cannot index leaves structured requests to be refused with the reason."""
+        try:
+            self._compile_pool.submit(self._llg_tokenizer).result()
+        except Exception as exc:  # noqa: BLE001 - each structured request says it again
+            logger.warning("structured outputs unavailable: %s", exc)
 
     def _llg_tokenizer(self) -> LLTokenizer:
         """On the compile thread: the vocabulary as llguidance indexes it, built once."""

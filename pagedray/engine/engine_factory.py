@@ -84,8 +84,8 @@ def build_engine_core(
 ) -> tuple[EngineCore, Any]:
     """The engine core (its executor first: it learns how many KV blocks fit) and the executor:
     tokens in, tokens out. `make_executor` None: the one rank in this process. `tokenizer` gives
-    the grammars' tokenizer; None: loaded when first needed (`StructuredOutputManager.warm_up`
-    starts that), so that an engine replica, whose ingress makes the text, starts 1-3 s sooner."""
+    the grammars' tokenizer; None: loaded when first needed (`StructuredOutputManager.prepare`
+    in an engine replica, whose ingress makes the text)."""
     max_model_len = config.resolved_max_model_len()
     if make_executor is None:
         if not config.in_process:

@@ -34,6 +34,8 @@ def local_openai_app(
     app (a request still in flight then ends with a 503). Its server is `app.state.server`."""
     # Built on the thread that will step it (see workers/compute_thread.py).
     core, _, tokenizer, validator = compute_thread().run(build_engine, config, None)
+    if core.scheduler.structured is not None:
+        core.scheduler.structured.prepare()  # before the app serves
     engine = AsyncEngine(
         core,
         OutputProcessor(None),  # token ids only: the server makes the text

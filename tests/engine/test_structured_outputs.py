@@ -332,3 +332,49 @@ def test_a_rejected_token_ends_every_choice_and_nothing_else(llm: LLM, monkeypat
     stats = llm.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+
+
+def test_prepare_indexes_the_vocabulary_once_before_any_request(tiny_llama: str) -> None:
+    """A server prepares before it serves: the first structured request reads no tokenizer."""
+    llm = LLM(tiny_llama, max_model_len=256, num_kv_blocks=64)
+    structured = llm.engine.scheduler.structured
+    assert structured is not None
+    reads: list[int] = []
+    read = structured._tokenizer_json
+
+    def counted() -> str:
+        reads.append(1)
+        return read()
+
+    structured._tokenizer_json = counted
+    structured.prepare()
+    structured.prepare()
+    assert len(reads) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"regex": "[ab]+"})
+    (out,) = llm.generate(["Hi"], params, use_tqdm=False)
+    assert re.fullmatch("[ab]+", out.outputs[0].text) and len(reads) == 1
+
+
+def test_a_tokenizer_prepare_cannot_index_leaves_structured_requests_refused(
+    tiny_llama: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """prepare() logs the reason and returns (the server still starts); each structured request
+    is then refused with it, and free requests run."""
+    from pagedray.scheduler.request_failure import refusal
+
+    llm = LLM(tiny_llama, max_model_len=256, num_kv_blocks=64)
+    structured = llm.engine.scheduler.structured
+    assert structured is not None
+
+    def no_backend() -> str:
+        raise refusal("structured_outputs", "the tokenizer has no `tokenizers` backend")
+
+    structured._tokenizer_json = no_backend
+    with caplog.at_level("WARNING"):
+        structured.prepare()
+    assert "structured outputs unavailable" in caplog.text
+    constrained = SamplingParams(max_tokens=8, structured_outputs={"regex": "[a-z]+"})
+    free = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    failed, ok = llm.generate(["Hi", "Hello"], [constrained, free], use_tqdm=False)
+    assert failed.error is not None and "no `tokenizers` backend" in failed.error
+    assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 4
