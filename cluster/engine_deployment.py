@@ -267,7 +267,8 @@ class EngineDeployment:
             "num_output_channels": len(self.channels),
             "num_channel_batches": self.channels.num_batches,
             "num_kv_subscribers": self.kv_index.num_subscribers if self.kv_index else 0,
-            # Torch threads per rank, while a request streams and while none does; None on a GPU.
+            # Torch threads per rank, while a request streams (unless the model outweighs the
+            # serving path: workers/cpu_threads.py) and while none does; None on a GPU.
             "num_threads": self.config.num_threads,
             "quiet_num_threads": self.config.quiet_num_threads,
         }
@@ -387,8 +388,9 @@ def _with_serving_threads(config: EngineConfig) -> EngineConfig:
     if config.quiet_num_threads is not None:  # the config's own stands
         counts["quiet_num_threads"] = config.quiet_num_threads
     logger.info(
-        "%d torch thread(s) per rank while a request streams (the node's cores but %d), %d while "
-        "none does, over %d rank(s) (--num-threads fixes it)", counts["num_threads"],
+        "%d torch thread(s) per rank while a request streams (the node's cores but %d, unless "
+        "the model outweighs the serving path), %d while none does, over %d rank(s) "
+        "(--num-threads fixes it)", counts["num_threads"],
         RESERVED_SERVING_CORES, counts["quiet_num_threads"], config.tensor_parallel_size,
     )  # fmt: skip
     return config.model_copy(update=counts)

@@ -7,6 +7,7 @@ way the scheduler reaches it only through `SchedulerOutput` and gets `ModelRunne
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import math
 from pathlib import Path
 
@@ -15,10 +16,14 @@ import torch
 from pagedray.attention.backend import select_backend
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
-from pagedray.workers.cpu_threads import step_runs_on_every_core
+from pagedray.workers.cpu_threads import (
+    RESERVE_PROBE_ROWS,
+    reserved_core_pays,
+    step_runs_on_every_core,
+)
 from pagedray.workers.host_kv_buffer import HostKVBuffer, open_tier
 from pagedray.workers.layers import cpu_ops, gemm
-from pagedray.workers.layers.gemm import pack_module_weights, warm_up
+from pagedray.workers.layers.gemm import pack_module_weights, time_projections, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -39,6 +44,9 @@ WARM_UP_ROWS = 128
 WARM_UP_BUDGET_S = 0.5
 
 
+logger = logging.getLogger(__name__)
+
+
 class Worker:
     """Loads a shard, sizes and allocates the KV pool, and executes steps."""
 
@@ -50,6 +58,8 @@ class Worker:
         # Torch threads for a step while a request streams (or for every step, without
         # `quiet_num_threads`): as set, else as torch has them on the building thread.
         self.serving_num_threads = config.num_threads or torch.get_num_threads()
+        # Whether streamed decode steps keep to the serving count: judged as the pool is made.
+        self.keeps_reserve = True
         self.device = _pick_device(config.device, rank)
         if self.device.type == "cpu":
             tune_malloc()
@@ -122,6 +132,8 @@ class Worker:
             for every_core in (True, False) if self._switches_threads() else (False,):
                 self._use_threads(every_core)
                 warm_up(self.model, rows, WARM_UP_BUDGET_S)
+            if self._switches_threads():
+                self.keeps_reserve = self._reserve_pays()
         tiers = self._open_tiers(kv_cache)
         self.runner = ModelRunner(
             self.model,
@@ -165,13 +177,30 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "init_kv_cache must run before the first step"
-        every_core = step_runs_on_every_core(
+        every_core = not self.keeps_reserve or step_runs_on_every_core(
             scheduler_output.streaming,
             scheduler_output.total_num_scheduled_tokens,
             len(scheduler_output.num_scheduled_tokens),
         )
         self._use_threads(every_core)
         return self.runner.execute_model(scheduler_output)
+
+    def _reserve_pays(self) -> bool:
+        """Times the projections at a decode batch on both thread counts (`reserved_core_pays`);
+        ends on the serving count."""
+        rows = min(self.config.max_num_seqs, RESERVE_PROBE_ROWS)
+        self._use_threads(True)
+        every_core_s = time_projections(self.model, rows)
+        self._use_threads(False)
+        serving_s = time_projections(self.model, rows)
+        pays = reserved_core_pays(serving_s, every_core_s, rows)
+        logger.info(
+            "rank %d: projections at %d rows take %.1f ms on %d thread(s), %.1f ms on %s: "
+            "streamed steps run on %s", self.rank, rows, 1000 * serving_s,
+            self.serving_num_threads, 1000 * every_core_s, self.config.quiet_num_threads,
+            "the serving count" if pays else "every core (the model outweighs the serving path)",
+        )  # fmt: skip
+        return pays
 
     def _switches_threads(self) -> bool:
         """Whether steps run on two thread counts: a CPU rank whose quiet count differs."""

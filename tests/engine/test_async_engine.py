@@ -397,6 +397,50 @@ def test_fcfs_full_queue_refuses_whatever_the_priority(tiny_llama: str) -> None:
     asyncio.run(run())
 
 
+def test_a_model_that_outweighs_the_serving_path_steps_on_every_core_while_streaming(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rank judges the reserve as it starts: the tiny model keeps it; one judged heavy
+    (its projections on every core save more than the serving path costs) runs every step on
+    every core, streamed or not, to the same tokens."""
+    from pagedray.workers import worker as worker_module
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    judged: list[tuple[float, float, int]] = []
+
+    def heavy(serving_s: float, every_core_s: float, rows: int) -> bool:
+        judged.append((serving_s, every_core_s, rows))
+        return False
+
+    async def streamed_steps(engine: AsyncEngine, prompt: list[int]) -> tuple[set[int], Any]:
+        runner = engine.core.executor.worker.runner
+        execute, threads_by_step = runner.execute_model, []
+
+        def counting_threads(plan: Any) -> Any:
+            threads_by_step.append(torch.get_num_threads())
+            return execute(plan)
+
+        runner.execute_model = counting_threads
+        tokens = _tokens(await _drain(engine.add_request("streamed", prompt, params)))
+        await engine.shutdown()
+        return set(threads_by_step), tokens
+
+    async def run() -> None:
+        light, tokenizer = _engine(tiny_llama, quiet_num_threads=2)
+        assert light.core.executor.worker.keeps_reserve
+        prompt = tokenizer.encode("loud")
+        light_threads, light_tokens = await streamed_steps(light, prompt)
+        monkeypatch.setattr(worker_module, "reserved_core_pays", heavy)
+        heavy_engine, _ = _engine(tiny_llama, quiet_num_threads=2)
+        assert not heavy_engine.core.executor.worker.keeps_reserve
+        assert len(judged) == 1 and judged[0][2] == 16 and min(judged[0][:2]) > 0
+        heavy_threads, heavy_tokens = await streamed_steps(heavy_engine, prompt)
+        assert light_threads == {1} and heavy_threads == {2}
+        assert heavy_tokens == light_tokens
+
+    asyncio.run(run())
+
+
 def test_a_step_runs_on_every_core_while_no_request_streams_or_mostly_prompt(
     tiny_llama: str,
 ) -> None:

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from pagedray.workers.cpu_threads import (
     PROMPT_HEAVY_TOKENS_PER_SEQUENCE,
     RESERVED_SERVING_CORES,
+    SERVING_MS_PER_STREAMED_TOKEN,
     quiet_threads_per_rank,
+    reserved_core_pays,
     serving_threads_per_rank,
     step_runs_on_every_core,
     usable_cores,
@@ -135,3 +137,19 @@ def test_a_cgroup_v1_quota_counts_where_there_is_no_v2(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/proc/self/cgroup").exists(), reason="no cgroups: not Linux")
 def test_this_machine_reads_within_its_affinity() -> None:
     assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("serving_ms", "every_core_ms", "pays"),
+    [
+        (1.8, 2.1, True),  # the small model at 16 rows: a second thread is no faster
+        (96.0, 58.0, False),  # the 0.5B shape: it saves far more than the serving path costs
+        # Either side of saving just what the serving path costs for 16 streamed tokens:
+        (10.0, 10.1 - 16 * SERVING_MS_PER_STREAMED_TOKEN, True),
+        (10.0, 9.9 - 16 * SERVING_MS_PER_STREAMED_TOKEN, False),
+    ],
+)
+def test_the_reserve_pays_unless_every_core_saves_more_than_serving_costs(
+    serving_ms: float, every_core_ms: float, pays: bool
+) -> None:
+    assert reserved_core_pays(serving_ms / 1000, every_core_ms / 1000, 16) is pays

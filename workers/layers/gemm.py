@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import time
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -161,3 +162,35 @@ def warm_up(model: torch.nn.Module, max_rows: int, budget_s: float) -> int:
                 linear(torch.zeros(rows, shape[1], dtype=dtype), torch.empty(0), bias, packed)
                 count += 1
     return count
+
+
+def time_projections(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
+    """Seconds one pass over every projection of `model` (each module that has a
+    `packed_weight` attribute, packed or not) takes at `rows` input rows, on the calling
+    thread's torch thread count: most of a decode step of `rows` sequences. The fastest of
+    `repeats` passes, after one untimed pass that has oneDNN compile what it needs; no
+    tensor-parallel reduction runs."""
+    products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    products = []
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    for module in model.modules():
+        if not hasattr(module, "packed_weight"):
+            continue
+        packed = cast("torch.Tensor | None", module.packed_weight)
+        plain = cast(torch.Tensor, module.weight)
+        # The packed weight's shape and dtype: the plain one may have been released.
+        weight = plain if packed is None else packed
+        key = (int(weight.shape[-1]), weight.dtype)
+        x = inputs.setdefault(key, torch.zeros(rows, key[0], dtype=key[1]))
+        bias = cast("torch.Tensor | None", getattr(module, "bias", None))
+        products.append((x, plain, bias, packed))
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        for x, weight, bias, packed in products:
+            linear(x, weight, bias, packed)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        one_pass()
+        return min(one_pass() for _ in range(repeats))
