@@ -313,6 +313,7 @@ class Server:
         log_dir: Path,
         stream_interval: int = 1,
         extra_flags: tuple[str, ...] = (),
+        dtype: str = "float32",
     ) -> None:
         """`threads` None: the server's own default (workers/cpu_threads.py); `extra_flags` go
         to `pagedray serve` as they are."""
@@ -328,7 +329,7 @@ class Server:
             "--metrics-export-port",
             str(free_port()),
             "--dtype",
-            "float32",
+            dtype,
             "--tensor-parallel-size",
             str(tp),
             "--stream-interval",

@@ -5,10 +5,12 @@ interpreter; the script exits with a message when that venv is absent. guidellm 
 
     .venv/bin/python benchmarks/vllm_peer.py            # about 10-15 minutes on 2 cores
     .venv/bin/python benchmarks/vllm_peer.py --quick    # a smoke run, a few minutes
+    .venv/bin/python benchmarks/vllm_peer.py --parts served --preset qwen2.5-0.5b --dtype bfloat16
 
 What it measures, both systems in the same run:
 1. Offline: output tok/s of pagedray's and vLLM's `LLM.generate` on `offline_throughput.py`'s
-   seeded workload (token-id prompts, per-request output lengths, EOS ignored, greedy, fp32,
+   seeded workload (token-id prompts, per-request output lengths, EOS ignored, greedy; the
+   small model in fp32 unless --preset names a published shape and --dtype another type;
    prefix caching off in both since repeats resend the same prompts). vLLM runs in a subprocess
    that keeps its engine and times `generate` alone; the runs alternate (ABBA) between the
    systems, `--repeats` each, and the medians are compared: vllm_offline.py's sharegpt fp32
@@ -113,9 +115,10 @@ def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) 
     server: Server
     if system in ("pagedray", NO_RAY):
         flags = ("--no-ray",) if system == NO_RAY else ()
-        server, role_of = Server(path, args.server_threads, 1, log_dir, 1, flags), _role_of
+        server = Server(path, args.server_threads, 1, log_dir, 1, flags, args.dtype)
+        role_of = _role_of
     else:
-        server, role_of = VllmServer(env, path, log_dir), vllm_role
+        server, role_of = VllmServer(env, path, log_dir, dtype=args.dtype), vllm_role
     guidellm = Guidellm(
         args.guidellm, path, args.request_format, PROMPT_TOKENS, OUTPUT_TOKENS, log_dir
     )
@@ -259,6 +262,8 @@ def parse_args() -> argparse.Namespace:
     )
     add("--concurrent-seconds", type=float, default=None, help="each concurrent profile's limit")
     add("--seed", type=int, default=0, help="seeds the offline workload")
+    add("--preset", default="small", help="the built model (small, qwen2.5-0.5b, llama-3.2-1b)")
+    add("--dtype", default="float32", help="both systems' weights and KV (float32, bfloat16)")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     add_vllm_args(parser)
     add("--guidellm", default="/work/clients-venv/bin/guidellm", help="guidellm executable")
@@ -280,10 +285,13 @@ def main() -> None:
     if "served" in parts and not Path(args.guidellm).exists():
         raise SystemExit(f"guidellm not found at {args.guidellm}: pass --guidellm")
     num_requests = args.num_requests or (16 if args.quick else 64)
-    path, workload = benchmark_workload(num_requests, args.quick, args.seed)
+    path, workload = benchmark_workload(num_requests, args.quick, args.seed, args.preset)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     served = args.server_threads or "its default"
-    print(f"model {path}; pagedray {args.threads} threads offline, {served} served; load {load}")
+    print(
+        f"model {path} in {args.dtype}; pagedray {args.threads} threads offline, {served} "
+        f"served; load {load}"
+    )
     print(
         f"vLLM: {env.python}, KV {env.kv_space_gib} GiB, OMP bind {env.omp_bind!r}, "
         f"LD_PRELOAD {env.preload}"
@@ -292,7 +300,7 @@ def main() -> None:
     if "offline" in parts:
         log_dir = Path(tempfile.mkdtemp(prefix="vllm_peer_offline_"))
         offline = run_cell(
-            path, workload, env, "float32", "sharegpt", args.threads, args.repeats, args.seed,
+            path, workload, env, args.dtype, "sharegpt", args.threads, args.repeats, args.seed,
             log_dir,
         )  # fmt: skip
         shutil.rmtree(log_dir, ignore_errors=True)  # kept, with vLLM's log, when it failed

@@ -96,7 +96,12 @@ class VllmServer(Server):
     """vLLM's OpenAI server in a session of its own; `Server`'s health wait and stop apply."""
 
     def __init__(
-        self, env: VllmEnv, path: str, log_dir: Path, extra_flags: tuple[str, ...] = ()
+        self,
+        env: VllmEnv,
+        path: str,
+        log_dir: Path,
+        extra_flags: tuple[str, ...] = (),
+        dtype: str = "float32",
     ) -> None:
         """`extra_flags` go to vLLM's server as they are."""
         self.port = free_port()
@@ -109,7 +114,7 @@ class VllmServer(Server):
             "--model",
             path,
             "--dtype",
-            "float32",
+            dtype,
             "--host",
             "127.0.0.1",
             "--port",
