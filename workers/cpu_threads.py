@@ -18,13 +18,17 @@ took 0.79-0.97 s instead of 1.32-1.47, and the runs 1,616 against 1,531 output t
 
 The reserve pays for a light model only. Off the reserved core, a step takes longer by what
 the core would have computed; on it, the serving path's work stalls the whole team for as long as
-it runs. So a rank times its projections at a decode batch (`RESERVE_PROBE_ROWS` rows) on both
-counts as it starts, and gives every step every core when the time that saves is more than the
-serving path's work for that many streamed tokens (`reserved_core_pays`). Measured on 2 cores
+it runs. So a rank measures the work of its projections at a decode batch (`RESERVE_PROBE_ROWS`
+rows, CPU time on one thread) as it starts, and gives every step every core when the time that
+would save, spread over each count, is more than the serving path's work for that many streamed
+tokens (`reserved_core_pays`). (Timing the two counts' wall time instead read the same model
+either side of the line from one start to the next: the server's other processes start beside
+it and take a core from the wider team.) Measured on 2 cores
 (the Qwen2.5-0.5B shape in bf16, one engine, sequential and 32 concurrent 128 / 64-token
 streams): with the reserve, 66 ms between tokens, TTFT 672 ms alone, 61 output tok/s at 32;
-on every core, 50 ms, 83 ms and 221 tok/s. The small model keeps it (its projections take
-well under a millisecond at 16 rows either way).
+on every core, 50 ms, 83 ms and 221 tok/s (its projections' work at 16 rows, 96 ms, would save
+48; the small model's, 1.8 ms, 0.9: it keeps the reserve). On 16 cores the reserve is one core of
+16, and the 0.5B shape keeps it too.
 
 A serving rank without `num_threads` gets `serving_threads_per_rank`: the cores this process may
 use (its affinity, lowered by the least CPU quota of its cgroup and its ancestors, v2 or v1, as a
@@ -122,11 +126,13 @@ def step_runs_on_every_core(streaming: bool, num_tokens: int, num_sequences: int
     return num_tokens >= PROMPT_HEAVY_TOKENS_PER_SEQUENCE * max(1, num_sequences)
 
 
-def reserved_core_pays(serving_s: float, every_core_s: float, rows: int) -> bool:
-    """Whether streamed decode steps keep off the reserved core: unless every core computes a
-    step of `rows` sequences (`every_core_s` against `serving_s` on the serving count) sooner by
-    more than the serving path's work for the `rows` tokens it streams."""
-    return serving_s - every_core_s <= rows * SERVING_MS_PER_STREAMED_TOKEN / 1000
+def reserved_core_pays(work_s: float, rows: int, serving_threads: int, all_threads: int) -> bool:
+    """Whether streamed decode steps keep off the reserved core: unless `work_s` of a step of
+    `rows` sequences (CPU seconds on one thread), spread evenly over `all_threads` rather than
+    `serving_threads`, ends sooner by more than the serving path's work for the `rows` tokens
+    it streams."""
+    saved_s = work_s / serving_threads - work_s / all_threads
+    return saved_s <= rows * SERVING_MS_PER_STREAMED_TOKEN / 1000
 
 
 def _split(ranks_on_node: int, cores: int | None, reserved: int) -> int:

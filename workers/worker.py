@@ -23,7 +23,7 @@ from pagedray.workers.cpu_threads import (
 )
 from pagedray.workers.host_kv_buffer import HostKVBuffer, open_tier
 from pagedray.workers.layers import cpu_ops, gemm
-from pagedray.workers.layers.gemm import pack_module_weights, time_projections, warm_up
+from pagedray.workers.layers.gemm import pack_module_weights, projection_work, warm_up
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -186,19 +186,18 @@ class Worker:
         return self.runner.execute_model(scheduler_output)
 
     def _reserve_pays(self) -> bool:
-        """Times the projections at a decode batch on both thread counts (`reserved_core_pays`);
+        """Measures the projections' work at a decode batch on one thread (`reserved_core_pays`);
         ends on the serving count."""
         rows = min(self.config.max_num_seqs, RESERVE_PROBE_ROWS)
-        self._use_threads(True)
-        every_core_s = time_projections(self.model, rows)
-        self._use_threads(False)
-        serving_s = time_projections(self.model, rows)
-        pays = reserved_core_pays(serving_s, every_core_s, rows)
+        all_threads = self.config.quiet_num_threads or self.serving_num_threads
+        torch.set_num_threads(1)
+        work_s = projection_work(self.model, rows)
+        torch.set_num_threads(self.serving_num_threads)
+        pays = reserved_core_pays(work_s, rows, self.serving_num_threads, all_threads)
         logger.info(
-            "rank %d: projections at %d rows take %.1f ms on %d thread(s), %.1f ms on %s: "
-            "streamed steps run on %s", self.rank, rows, 1000 * serving_s,
-            self.serving_num_threads, 1000 * every_core_s, self.config.quiet_num_threads,
-            "the serving count" if pays else "every core (the model outweighs the serving path)",
+            "rank %d: projections at %d rows, %.1f ms of work: streamed steps run on %s",
+            self.rank, rows, 1000 * work_s,
+            f"{self.serving_num_threads} thread(s)" if pays else f"every core ({all_threads})",
         )  # fmt: skip
         return pays
 

@@ -406,10 +406,10 @@ def test_a_model_that_outweighs_the_serving_path_steps_on_every_core_while_strea
     from pagedray.workers import worker as worker_module
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    judged: list[tuple[float, float, int]] = []
+    judged: list[tuple[float, int, int, int]] = []
 
-    def heavy(serving_s: float, every_core_s: float, rows: int) -> bool:
-        judged.append((serving_s, every_core_s, rows))
+    def heavy(work_s: float, rows: int, serving_threads: int, all_threads: int) -> bool:
+        judged.append((work_s, rows, serving_threads, all_threads))
         return False
 
     async def streamed_steps(engine: AsyncEngine, prompt: list[int]) -> tuple[set[int], Any]:
@@ -433,7 +433,7 @@ def test_a_model_that_outweighs_the_serving_path_steps_on_every_core_while_strea
         monkeypatch.setattr(worker_module, "reserved_core_pays", heavy)
         heavy_engine, _ = _engine(tiny_llama, quiet_num_threads=2)
         assert not heavy_engine.core.executor.worker.keeps_reserve
-        assert len(judged) == 1 and judged[0][2] == 16 and min(judged[0][:2]) > 0
+        assert len(judged) == 1 and judged[0][0] > 0 and judged[0][1:] == (16, 1, 2)
         heavy_threads, heavy_tokens = await streamed_steps(heavy_engine, prompt)
         assert light_threads == {1} and heavy_threads == {2}
         assert heavy_tokens == light_tokens

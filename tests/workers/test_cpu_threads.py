@@ -140,16 +140,17 @@ def test_this_machine_reads_within_its_affinity() -> None:
 
 
 @pytest.mark.parametrize(
-    ("serving_ms", "every_core_ms", "pays"),
+    ("work_ms", "serving_threads", "all_threads", "pays"),
     [
-        (1.8, 2.1, True),  # the small model at 16 rows: a second thread is no faster
-        (96.0, 58.0, False),  # the 0.5B shape: it saves far more than the serving path costs
+        (1.8, 1, 2, True),  # the small model at 16 rows: 0.9 ms saved
+        (96.0, 1, 2, False),  # the 0.5B shape: 48 ms saved, far past the serving path's 6.4
+        (96.0, 15, 16, True),  # on 16 cores the reserve is one core of 16: 0.4 ms saved
         # Either side of saving just what the serving path costs for 16 streamed tokens:
-        (10.0, 10.1 - 16 * SERVING_MS_PER_STREAMED_TOKEN, True),
-        (10.0, 9.9 - 16 * SERVING_MS_PER_STREAMED_TOKEN, False),
+        (2 * (16 * SERVING_MS_PER_STREAMED_TOKEN - 0.1), 1, 2, True),
+        (2 * (16 * SERVING_MS_PER_STREAMED_TOKEN + 0.1), 1, 2, False),
     ],
 )
 def test_the_reserve_pays_unless_every_core_saves_more_than_serving_costs(
-    serving_ms: float, every_core_ms: float, pays: bool
+    work_ms: float, serving_threads: int, all_threads: int, pays: bool
 ) -> None:
-    assert reserved_core_pays(serving_ms / 1000, every_core_ms / 1000, 16) is pays
+    assert reserved_core_pays(work_ms / 1000, 16, serving_threads, all_threads) is pays

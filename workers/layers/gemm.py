@@ -164,12 +164,12 @@ def warm_up(model: torch.nn.Module, max_rows: int, budget_s: float) -> int:
     return count
 
 
-def time_projections(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
-    """Seconds one pass over every projection of `model` (each module that has a
-    `packed_weight` attribute, packed or not) takes at `rows` input rows, on the calling
-    thread's torch thread count: most of a decode step of `rows` sequences. The fastest of
-    `repeats` passes, after one untimed pass that has oneDNN compile what it needs; no
-    tensor-parallel reduction runs."""
+def projection_work(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
+    """CPU seconds the calling thread spends on one pass over every projection of `model` (each
+    module with a `packed_weight` attribute, packed or not) at `rows` input rows: on one torch
+    thread, the work of most of a decode step of `rows` sequences, which other processes' load
+    does not change (wall time would). The least of `repeats` passes, after one untimed pass
+    that has oneDNN compile what it needs; no tensor-parallel reduction runs."""
     products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     products = []
     inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -186,10 +186,10 @@ def time_projections(model: torch.nn.Module, rows: int, repeats: int = 3) -> flo
         products.append((x, plain, bias, packed))
 
     def one_pass() -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         for x, weight, bias, packed in products:
             linear(x, weight, bias, packed)
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     with torch.inference_mode():
         one_pass()
