@@ -349,7 +349,8 @@ def read_profile(path: Path) -> Profile:
     metrics = benchmark["metrics"]
     all_out = metrics["output_token_count"]["total"]["total_sum"]
     requests = benchmark["requests"]["successful"]
-    bursts = sum(r["inter_token_latency_ms"] < BURST_ITL_MS for r in requests)
+    # guidellm leaves the ITL out (None) for a request whose tokens all came in one chunk.
+    bursts = sum((r["inter_token_latency_ms"] or 0.0) < BURST_ITL_MS for r in requests)
     return Profile(
         output_tok_s=all_out / benchmark["duration"],
         ttft_ms=metrics["time_to_first_token_ms"]["successful"]["median"],
