@@ -32,10 +32,12 @@ What it measures, both systems in the same run:
 
 vLLM settings (environment variables read by its CPU platform; flags change them):
 - VLLM_CPU_KVCACHE_SPACE=2 (GiB): pagedray's CPU pool is min(4 GiB, max_num_seqs x max_model_len
-  tokens), 2 GiB for this model (4 KiB per token, 524,288 tokens); vLLM's 2 GiB holds the same
-  524,288 tokens (its default would be 4 GiB).
+  tokens), 2 GiB for the small model (4 KiB per token, 524,288 tokens); vLLM's 2 GiB holds the
+  same 524,288 tokens (its default would be 4 GiB). The 0.5B shape's 12 KiB a token leave vLLM
+  174,762 tokens, still far more than 64 streams of 192 tokens hold.
 - VLLM_CPU_OMP_THREADS_BIND=0-1: "auto" reserves one of the two cores for its engine-core and API
-  processes and leaves the model worker one OpenMP thread, as `pagedray serve` does by default;
+  processes and leaves the model worker one OpenMP thread, as `pagedray serve` does by default
+  for a light model;
   vLLM's worker gets both cores instead, bound, which measured faster for it (in a --quick run,
   "auto" gave vLLM 1,572 concurrent tok/s, "0-1" 1,913): the peer at its best. "nobind" would
   leave Intel OpenMP's 200 ms spin-wait in place of the 5 ms vLLM sets when it binds.
@@ -43,7 +45,7 @@ vLLM settings (environment variables read by its CPU platform; flags change them
 - LD_PRELOAD of tcmalloc and the venv's Intel OpenMP (libiomp5), as vLLM's CPU docs recommend.
 - Everything else at vLLM's defaults (block size 128 on CPU, its own batch limits, torch.compile
   of the model at start-up); pagedray at its own (offline 2 threads; served, the cores but one
-  for the model, `--stream-interval 1`, as vLLM's).
+  for a light model and all of them for a heavy one, `--stream-interval 1`, as vLLM's).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import httpx
 # NOTE: run as a script, this directory is on sys.path.
 from http_throughput import CONTENDED, Server, _role_of
 from offline_throughput import benchmark_workload
-from vllm_offline import Cell, add_vllm_args, report, run_cell, vllm_env
+from vllm_offline import DTYPES, Cell, add_vllm_args, report, run_cell, vllm_env
 from vllm_peer_tools import (
     MODEL_ROLES,
     SERVING_PATH_ROLES,
@@ -73,6 +75,8 @@ from vllm_peer_tools import (
     VllmServer,
     vllm_role,
 )
+
+from pagedray.tools.default_model import PRESETS
 
 SYSTEMS = ("pagedray", "vLLM")
 # `pagedray serve --no-ray` (one process, no Serve hops), a served system --systems may name.
@@ -262,8 +266,8 @@ def parse_args() -> argparse.Namespace:
     )
     add("--concurrent-seconds", type=float, default=None, help="each concurrent profile's limit")
     add("--seed", type=int, default=0, help="seeds the offline workload")
-    add("--preset", default="small", help="the built model (small, qwen2.5-0.5b, llama-3.2-1b)")
-    add("--dtype", default="float32", help="both systems' weights and KV (float32, bfloat16)")
+    add("--preset", default="small", choices=PRESETS, help="the built model")
+    add("--dtype", default="float32", choices=DTYPES, help="both systems' weights and KV")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     add_vllm_args(parser)
     add("--guidellm", default="/work/clients-venv/bin/guidellm", help="guidellm executable")

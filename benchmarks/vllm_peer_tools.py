@@ -328,8 +328,8 @@ class CpuTimeline:
 class Profile:
     """One guidellm benchmark, as its JSON report gives it."""
 
-    # Every request's output tokens over the benchmark's duration, those of requests the time
-    # limit cut short too: counting completed requests only, a 64-stream run of a model that
+    # Completed and cut-short requests' output tokens over the benchmark's duration (errored
+    # requests' not): counting completed requests only, a 64-stream run of a model that
     # takes 40 s a wave read whole waves (102.4 tok/s twice, to the decimal).
     output_tok_s: float
     ttft_ms: float  # median over successful requests
@@ -347,12 +347,14 @@ class Profile:
 def read_profile(path: Path) -> Profile:
     benchmark = json.loads(path.read_text())["benchmarks"][0]
     metrics = benchmark["metrics"]
-    all_out = metrics["output_token_count"]["total"]["total_sum"]
+    tokens = metrics["output_token_count"]
+    cut_short = (tokens.get("incomplete") or {}).get("total_sum") or 0
+    delivered = tokens["successful"]["total_sum"] + cut_short
     requests = benchmark["requests"]["successful"]
     # guidellm leaves the ITL out (None) for a request whose tokens all came in one chunk.
     bursts = sum((r["inter_token_latency_ms"] or 0.0) < BURST_ITL_MS for r in requests)
     return Profile(
-        output_tok_s=all_out / benchmark["duration"],
+        output_tok_s=delivered / benchmark["duration"],
         ttft_ms=metrics["time_to_first_token_ms"]["successful"]["median"],
         ttft_p95_ms=metrics["time_to_first_token_ms"]["successful"]["percentiles"]["p95"],
         itl_ms=metrics["inter_token_latency_ms"]["successful"]["median"],

@@ -286,8 +286,8 @@ class EngineDeployment:
 
 def _replica_engine(config: EngineConfig) -> tuple[Any, Any, None, None]:
     """The replica's engine and executor (ranks in its process, or actors at TP > 1), and no
-    tokenizer or validator: the ingress makes and reads the text, so the replica starts without
-    loading a tokenizer (1-3 s); its grammars load one when they first need it."""
+    tokenizer or validator: the ingress makes and reads the text. Only its grammars read the
+    tokenizer, in the constructor (`StructuredOutputManager.prepare`)."""
     from pagedray.cluster.ray_executor import executor_factory
     from pagedray.engine.engine_factory import build_engine_core
 

@@ -123,13 +123,17 @@ class StructuredOutputManager:
     def __init__(
         self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Iterable[int]
     ) -> None:
-        """`tokenizer_json`: gives the HF tokenizers serialization, read at the first compile
-        (a large vocabulary takes about a second to index); `vocab_size`: the logits' width,
-        which may exceed the tokenizer's (padded embeddings): extra ids are never allowed."""
+        """`tokenizer_json`: gives the HF tokenizers serialization, read by `prepare` (servers)
+        or else at the first compile (a 150,000-token vocabulary takes about 0.8 s to index);
+        `vocab_size`: the logits' width, which may exceed the tokenizer's (padded embeddings):
+        extra ids are never allowed."""
         from llguidance import LLExecutor
 
         self._tokenizer_json = tokenizer_json
         self._tokenizer: LLTokenizer | None = None  # built on the compile thread
+        # Why it could not be built, kept: a tokenizer that failed once fails again, and each
+        # structured request would read and index it anew on the one compile thread.
+        self._tokenizer_error: BaseException | None = None
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
         self.words_per_row = (vocab_size + 31) // 32  # int32 words of one row's bitmask
@@ -157,23 +161,35 @@ class StructuredOutputManager:
 
     def prepare(self) -> None:
         """Read the tokenizer and index its vocabulary now, before the first structured request
-        needs it, and wait for it: llguidance holds the GIL while it indexes (0.5-1 s for a
+        needs it, and wait for it: llguidance holds the GIL while it indexes (0.8 s for a
         150,000-token vocabulary), so an index built beside a serving engine stalls its steps and
-        its health checks. For servers; offline, the first structured request builds it. A
-        tokenizer it cannot index leaves structured requests to be refused with the reason."""
+        its health checks. For servers (a replica starts that much later, whether or not a
+        structured request comes); offline, the first structured request builds it. A tokenizer
+        it cannot index leaves structured requests to be refused with the reason."""
         try:
             self._compile_pool.submit(self._llg_tokenizer).result()
-        except Exception as exc:  # noqa: BLE001 - each structured request says it again
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a Rust panic is a BaseException too
             logger.warning("structured outputs unavailable: %s", exc)
 
     def _llg_tokenizer(self) -> LLTokenizer:
-        """On the compile thread: the vocabulary as llguidance indexes it, built once."""
+        """On the compile thread: the vocabulary as llguidance indexes it, built once; a
+        failure is kept and raised again."""
+        if self._tokenizer_error is not None:
+            raise self._tokenizer_error.with_traceback(None)  # not a traceback more a request
         if self._tokenizer is None:
             from llguidance import LLTokenizer
 
-            self._tokenizer = LLTokenizer(
-                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
+            try:
+                self._tokenizer = LLTokenizer(
+                    self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - kept for the next compile
+                self._tokenizer_error = exc
+                raise
         return self._tokenizer
 
     def _matcher(self, key: tuple[str, str]) -> LLMatcher:

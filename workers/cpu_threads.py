@@ -1,5 +1,6 @@
 """How many torch threads a serving engine's ranks get on a CPU: all of the node but one core
-while a request streams, all of it while none does or for a step that is mostly prompt.
+while a request streams, all of it while none does, for a step that is mostly prompt, or for
+every step of a model whose work outweighs the serving path's.
 
 Offline, the model is all a process runs, and `LLM` leaves torch at its default: every core.
 Served, the same cores also run the ingress (tokens to text, SSE), the engine's event loop,
@@ -26,9 +27,12 @@ either side of the line from one start to the next: the server's other processes
 it and take a core from the wider team.) Measured on 2 cores
 (the Qwen2.5-0.5B shape in bf16, one engine, sequential and 32 concurrent 128 / 64-token
 streams): with the reserve, 66 ms between tokens, TTFT 672 ms alone, 61 output tok/s at 32;
-on every core, 50 ms, 83 ms and 221 tok/s (its projections' work at 16 rows, 96 ms, would save
-48; the small model's, 1.8 ms, 0.9: it keeps the reserve). On 16 cores the reserve is one core of
-16, and the 0.5B shape keeps it too.
+on every core, 47-50 ms, 83 ms and 191-221 tok/s. The estimate spreads the work evenly, which
+flatters a second thread: the 0.5B shape's projections at 16 rows are 96 ms of work, 48 saved by
+the estimate and 38 measured (58 ms on 2 threads), far past the serving path's 6.4 either way;
+the small model's are 1.8 ms, 0.9 saved by the estimate and none measured (2.1 ms on 2): it keeps
+the reserve. A model within a few milliseconds of the line may go either way, at little cost
+either way. On 16 cores the reserve is one core of 16, and the 0.5B shape keeps it too.
 
 A serving rank without `num_threads` gets `serving_threads_per_rank`: the cores this process may
 use (its affinity, lowered by the least CPU quota of its cgroup and its ancestors, v2 or v1, as a
@@ -62,7 +66,7 @@ RESERVED_SERVING_CORES = 1
 PROMPT_HEAVY_TOKENS_PER_SEQUENCE = 8
 # The serving path's CPU time per token it streams, on the machine the costs above are from.
 SERVING_MS_PER_STREAMED_TOKEN = 0.4
-# Decode rows a rank times its projections at, on both thread counts, to judge the reserve.
+# Decode rows whose projections' work (one thread's CPU time) a rank measures to judge the reserve.
 RESERVE_PROBE_ROWS = 16
 
 
@@ -126,13 +130,18 @@ def step_runs_on_every_core(streaming: bool, num_tokens: int, num_sequences: int
     return num_tokens >= PROMPT_HEAVY_TOKENS_PER_SEQUENCE * max(1, num_sequences)
 
 
+def break_even_work_s(rows: int, serving_threads: int, all_threads: int) -> float:
+    """The work of a step of `rows` sequences (CPU seconds on one thread) at which spreading it
+    evenly over `all_threads` rather than `serving_threads` saves just what the serving path
+    costs for the `rows` tokens it streams."""
+    spread = 1 / serving_threads - 1 / all_threads
+    return math.inf if spread <= 0 else rows * SERVING_MS_PER_STREAMED_TOKEN / 1000 / spread
+
+
 def reserved_core_pays(work_s: float, rows: int, serving_threads: int, all_threads: int) -> bool:
     """Whether streamed decode steps keep off the reserved core: unless `work_s` of a step of
-    `rows` sequences (CPU seconds on one thread), spread evenly over `all_threads` rather than
-    `serving_threads`, ends sooner by more than the serving path's work for the `rows` tokens
-    it streams."""
-    saved_s = work_s / serving_threads - work_s / all_threads
-    return saved_s <= rows * SERVING_MS_PER_STREAMED_TOKEN / 1000
+    `rows` sequences is past the break-even (`break_even_work_s`)."""
+    return work_s <= break_even_work_s(rows, serving_threads, all_threads)
 
 
 def _split(ranks_on_node: int, cores: int | None, reserved: int) -> int:

@@ -18,6 +18,7 @@ from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.cpu_runtime import kv_pool_zeros, tune_malloc
 from pagedray.workers.cpu_threads import (
     RESERVE_PROBE_ROWS,
+    break_even_work_s,
     reserved_core_pays,
     step_runs_on_every_core,
 )
@@ -187,12 +188,12 @@ class Worker:
 
     def _reserve_pays(self) -> bool:
         """Measures the projections' work at a decode batch on one thread (`reserved_core_pays`);
-        ends on the serving count."""
+        runs on, and leaves, the serving count."""
         rows = min(self.config.max_num_seqs, RESERVE_PROBE_ROWS)
         all_threads = self.config.quiet_num_threads or self.serving_num_threads
-        torch.set_num_threads(1)
-        work_s = projection_work(self.model, rows)
-        torch.set_num_threads(self.serving_num_threads)
+        # Past 4x the break-even, more passes could not change the answer.
+        clear_s = 4 * break_even_work_s(rows, self.serving_num_threads, all_threads)
+        work_s = projection_work(self.model, rows, enough_s=clear_s)
         pays = reserved_core_pays(work_s, rows, self.serving_num_threads, all_threads)
         logger.info(
             "rank %d: projections at %d rows, %.1f ms of work: streamed steps run on %s",

@@ -42,8 +42,8 @@ def structured_output_manager(
     tokenizer: Callable[[], Any], model_config: ModelConfig
 ) -> StructuredOutputManager:
     """Grammars for structured outputs, over the model's whole logits width and EOS ids; the
-    tokenizer (`tokenizer()`) is read at the first compile: one without a `tokenizers` backend
-    fails it, and such requests are refused."""
+    tokenizer (`tokenizer()`) is read by `prepare` in a server, else at the first compile: one
+    without a `tokenizers` backend fails it, and such requests are refused."""
 
     def tokenizer_json() -> str:
         backend = getattr(tokenizer(), "backend_tokenizer", None)

@@ -93,7 +93,11 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_ARCH = "llama"
 DEFAULT_PRESET = "small"
 # Bump when the corpus, tokenizer recipe or init changes, so stale cached builds are not reused.
-CACHE_VERSION = "v3"
+CACHE_VERSION = "v2"
+# Presets whose builds changed since: the vocabulary past what the trainer learns became ordinary
+# entries. The small and tiny builds stayed the same byte for byte, and keep their names (the
+# served model's name is its build's: `llama-small-v2`).
+PRESET_CACHE_VERSIONS = {"qwen2.5-0.5b": "v3", "llama-3.2-1b": "v3"}
 
 # transformers' config and model classes of each arch, by name: torch and transformers are
 # imported only to build, so that `pagedray serve` with a cached build (every start but the first)
@@ -246,7 +250,7 @@ def _build_tokenizer(vocab_size: int, seed: int, model_max_length: int) -> PreTr
     # 151,936 and 128,256. The rest are ordinary vocabulary entries, as a published vocabulary's
     # rare tokens are, not added tokens: a published tokenizer has a few dozen of those, and
     # llguidance's index of a vocabulary grows with their square (145,817 added tokens took it
-    # 79 s, holding the GIL; as vocabulary entries, 0.5 s).
+    # 79 s, holding the GIL; as vocabulary entries, 0.8 s).
     shortfall = vocab_size - NUM_RESERVED - tokenizer.get_vocab_size()
     if shortfall > 0:
         tokenizer = _with_filler_words(tokenizer, shortfall, random.Random(seed))
@@ -428,7 +432,8 @@ def default_model_built(
 
 def _default_model_dir(arch: str, preset: str, dtype: str) -> Path:
     suffix = "" if dtype == "float32" else f"-{dtype}"
-    return cache_dir("models") / f"{arch}-{preset}{suffix}-{CACHE_VERSION}"
+    version = PRESET_CACHE_VERSIONS.get(preset, CACHE_VERSION)
+    return cache_dir("models") / f"{arch}-{preset}{suffix}-{version}"
 
 
 def default_model_path(

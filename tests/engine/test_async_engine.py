@@ -397,8 +397,9 @@ def test_fcfs_full_queue_refuses_whatever_the_priority(tiny_llama: str) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(("serving", "every_core"), [(1, 2), (2, 3)])
 def test_a_model_that_outweighs_the_serving_path_steps_on_every_core_while_streaming(
-    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch, serving: int, every_core: int
 ) -> None:
     """The rank judges the reserve as it starts: the tiny model keeps it; one judged heavy
     (its projections on every core save more than the serving path costs) runs every step on
@@ -425,17 +426,27 @@ def test_a_model_that_outweighs_the_serving_path_steps_on_every_core_while_strea
         await engine.shutdown()
         return set(threads_by_step), tokens
 
+    def build() -> tuple[AsyncEngine, Any]:
+        config = EngineConfig(
+            model=tiny_llama, num_kv_blocks=32, num_threads=serving, quiet_num_threads=every_core
+        )
+        engine, _executor, tokenizer, _validator = build_engine(config)
+        # The probe ran on one thread and left the serving count on the thread that steps.
+        assert torch.get_num_threads() == serving
+        return AsyncEngine(engine, OutputProcessor(tokenizer), stuck_after_s=0.2), tokenizer
+
     async def run() -> None:
-        light, tokenizer = _engine(tiny_llama, quiet_num_threads=2)
+        light, tokenizer = build()
         assert light.core.executor.worker.keeps_reserve
         prompt = tokenizer.encode("loud")
         light_threads, light_tokens = await streamed_steps(light, prompt)
         monkeypatch.setattr(worker_module, "reserved_core_pays", heavy)
-        heavy_engine, _ = _engine(tiny_llama, quiet_num_threads=2)
+        heavy_engine, _ = build()
         assert not heavy_engine.core.executor.worker.keeps_reserve
-        assert len(judged) == 1 and judged[0][0] > 0 and judged[0][1:] == (16, 1, 2)
+        assert len(judged) == 1 and judged[0][0] > 0
+        assert judged[0][1:] == (16, serving, every_core)
         heavy_threads, heavy_tokens = await streamed_steps(heavy_engine, prompt)
-        assert light_threads == {1} and heavy_threads == {2}
+        assert light_threads == {serving} and heavy_threads == {every_core}
         assert heavy_tokens == light_tokens
 
     asyncio.run(run())

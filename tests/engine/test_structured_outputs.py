@@ -359,14 +359,17 @@ def test_a_tokenizer_prepare_cannot_index_leaves_structured_requests_refused(
     tiny_llama: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """prepare() logs the reason and returns (the server still starts); each structured request
-    is then refused with it, and free requests run."""
+    is then refused with it, without reading the tokenizer again, and free requests run."""
     from pagedray.scheduler.request_failure import refusal
 
     llm = LLM(tiny_llama, max_model_len=256, num_kv_blocks=64)
     structured = llm.engine.scheduler.structured
     assert structured is not None
 
+    reads: list[int] = []
+
     def no_backend() -> str:
+        reads.append(1)
         raise refusal("structured_outputs", "the tokenizer has no `tokenizers` backend")
 
     structured._tokenizer_json = no_backend
@@ -378,3 +381,7 @@ def test_a_tokenizer_prepare_cannot_index_leaves_structured_requests_refused(
     failed, ok = llm.generate(["Hi", "Hello"], [constrained, free], use_tqdm=False)
     assert failed.error is not None and "no `tokenizers` backend" in failed.error
     assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 4
+    # The failure was kept: neither request read the tokenizer again.
+    (again,) = llm.generate(["Hey"], constrained, use_tqdm=False)
+    assert again.error is not None and "no `tokenizers` backend" in again.error
+    assert len(reads) == 1

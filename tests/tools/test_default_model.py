@@ -19,6 +19,7 @@ from pagedray.tools.default_model import (
     PRESETS,
     SPECIAL_TOKENS,
     _build_config,
+    _build_tokenizer,
     default_model_path,
     make_model,
 )
@@ -273,3 +274,23 @@ def test_a_real_shape_builds_and_runs_token_exact_with_transformers(
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     (ours,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert ours.outputs[0].token_ids == hf_greedy(str(path), [prompt], 6)[0]
+
+
+def test_a_vocabulary_past_the_trained_one_is_filled_with_words_not_added_tokens() -> None:
+    """Past what the trainer learns here (about 6,100 entries), ids are ordinary vocabulary:
+    made-up words that decode, which encoding never emits; the reserved special tokens stay at
+    the top ids; the same seed gives the same tokenizer."""
+    size = 6600
+    first, second = (_build_tokenizer(size, 0, 2048) for _ in range(2))
+    assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
+    assert len(first) == size
+    added = sorted(first.added_tokens_decoder)
+    assert len(added) == len(SPECIAL_TOKENS) + NUM_RESERVED
+    assert added[-NUM_RESERVED:] == list(range(size - NUM_RESERVED, size))
+    vocab = json.loads(first.backend_tokenizer.to_str())["model"]["vocab"]
+    fillers = range(max(vocab.values()) - 300, size - NUM_RESERVED)
+    assert set(fillers) <= set(vocab.values())
+    for token_id in fillers:
+        word = first.decode([token_id])
+        assert word[0] == " " and word[1:].isalpha(), (token_id, word)
+        assert token_id not in first.encode(word)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from typing import cast
@@ -164,12 +165,17 @@ def warm_up(model: torch.nn.Module, max_rows: int, budget_s: float) -> int:
     return count
 
 
-def projection_work(model: torch.nn.Module, rows: int, repeats: int = 3) -> float:
-    """CPU seconds the calling thread spends on one pass over every projection of `model` (each
-    module with a `packed_weight` attribute, packed or not) at `rows` input rows: on one torch
-    thread, the work of most of a decode step of `rows` sequences, which other processes' load
-    does not change (wall time would). The least of `repeats` passes, after one untimed pass
-    that has oneDNN compile what it needs; no tensor-parallel reduction runs."""
+def projection_work(
+    model: torch.nn.Module, rows: int, repeats: int = 3, enough_s: float = math.inf
+) -> float:
+    """CPU seconds one pass over every projection of `model` (each module with a
+    `packed_weight` attribute, packed or not) takes at `rows` input rows on one torch thread:
+    the work of most of a decode step of `rows` sequences, which other processes' load changes
+    far less than it changes wall time. Run on one thread (the caller's count is restored), so
+    the calling thread's CPU time is all of it. The least of up to `repeats` passes, stopping
+    once one took over `enough_s` (the answer is clear; a large model's pass takes seconds),
+    after an untimed pass that has oneDNN compile what it needs; no tensor-parallel reduction
+    runs."""
     products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     products = []
     inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -191,6 +197,16 @@ def projection_work(model: torch.nn.Module, rows: int, repeats: int = 3) -> floa
             linear(x, weight, bias, packed)
         return time.thread_time() - start
 
-    with torch.inference_mode():
-        one_pass()
-        return min(one_pass() for _ in range(repeats))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            one_pass()
+            least = math.inf
+            for _ in range(repeats):
+                least = min(least, one_pass())
+                if least > enough_s:
+                    break
+            return least
+    finally:
+        torch.set_num_threads(threads)
