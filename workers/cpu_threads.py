@@ -24,10 +24,11 @@ rows, CPU time on one thread) as it starts, and gives every step every core when
 would save, spread over each count, is more than the serving path's work for that many streamed
 tokens (`reserved_core_pays`). (Timing the two counts' wall time instead read the same model
 either side of the line from one start to the next: the server's other processes start beside
-it and take a core from the wider team.) Measured on 2 cores
-(the Qwen2.5-0.5B shape in bf16, one engine, sequential and 32 concurrent 128 / 64-token
-streams): with the reserve, 66 ms between tokens, TTFT 672 ms alone, 61 output tok/s at 32;
-on every core, 47-50 ms, 83 ms and 191-221 tok/s. The estimate spreads the work evenly, which
+it and take a core from the wider team.) Measured on 2 cores (the Qwen2.5-0.5B shape in bf16,
+one engine, host tier off, 303-token prompts and 64 tokens out, 5 requests one at a time then 32
+at once; two rounds, alternated): with the reserve, 66-70 ms between tokens alone and 58-60
+output tok/s at 32; on every core, 49-53 ms and 67 tok/s (the first token alone the same, 670-694
+ms: a prompt-heavy step ran on every core already). The estimate spreads the work evenly, which
 flatters a second thread: the 0.5B shape's projections at 16 rows are 96 ms of work, 48 saved by
 the estimate and 38 measured (58 ms on 2 threads), far past the serving path's 6.4 either way;
 the small model's are 1.8 ms, 0.9 saved by the estimate and none measured (2.1 ms on 2): it keeps
