@@ -177,7 +177,7 @@ class StructuredOutputManager:
         """On the compile thread: the vocabulary as llguidance indexes it, built once; a
         failure is kept and raised again."""
         if self._tokenizer_error is not None:
-            raise self._tokenizer_error.with_traceback(None)  # not a traceback more a request
+            raise self._tokenizer_error.with_traceback(None)  # its traceback grows no longer
         if self._tokenizer is None:
             from llguidance import LLTokenizer
 
