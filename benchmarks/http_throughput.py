@@ -49,6 +49,7 @@ from offline_throughput import (
 )
 
 from pagedray.workers.compute_thread import OS_THREAD_NAME
+from pagedray.workers.host_kv_buffer import TIER_DIR_ENV
 
 # Seconds between /health polls while the server starts.
 POLL_S = 1.0
@@ -314,9 +315,11 @@ class Server:
         stream_interval: int = 1,
         extra_flags: tuple[str, ...] = (),
         dtype: str = "float32",
+        tier_dir: str | None = None,
     ) -> None:
         """`threads` None: the server's own default (workers/cpu_threads.py); `extra_flags` go
-        to `pagedray serve` as they are."""
+        to `pagedray serve` as they are; `tier_dir` holds its host KV tier (default the node's,
+        which outlives the server: a server started after another finds its blocks there)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         executable = Path(sys.executable).with_name("pagedray")
@@ -339,6 +342,8 @@ class Server:
             command += ["--num-threads", str(threads)]
         command += extra_flags
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
+        if tier_dir is not None:
+            env[TIER_DIR_ENV] = tier_dir
         self.log_path = log_dir / f"serve_tp{tp}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # start_new_session: the server and all it starts form a session apart from ours.
