@@ -357,7 +357,9 @@ def token_logprobs(
     ranks = (per_entry > entry_logprobs.unsqueeze(1)).sum(dim=-1) + 1  # [num_entries]
     top_ids_list: list[list[int]] = [[] for _ in range(len(logprobs))]
     top_logprobs_list: list[list[float]] = [[] for _ in range(len(logprobs))]
-    max_k = max(num_top, default=0)
+    # NOTE: at most the whole vocabulary: a model with fewer tokens than the top asked for
+    # (validation caps it at the server's max_logprobs, not at the vocabulary) gives them all.
+    max_k = min(max(num_top, default=0), logprobs.shape[-1])
     if max_k > 0:
         top_logprobs, top_ids = logprobs.topk(max_k, dim=-1)  # [num_rows, max_k]
         top_logprobs_list, top_ids_list = top_logprobs.tolist(), top_ids.tolist()

@@ -387,3 +387,15 @@ def test_snapped_draws_land_on_weighted_tokens(weights: list[float], data: st.Da
         assert weights[token_id] > 0
         before = [i for i in weighted if i <= original]
         assert token_id == (before[-1] if before else weighted[0])
+
+
+def test_more_top_logprobs_than_the_vocabulary_gives_them_all() -> None:
+    """Validation caps `logprobs` at the server's max_logprobs (20), not at the vocabulary: a
+    model of 16 tokens asked for 17 answers with all 16 (it failed the request, caught in a
+    fresh clone's run of the fuzz test above)."""
+    params = SamplingParams(logprobs=17, temperature=0.0)
+    out = make_sampler()(random_logits(1), [SamplingRow(params, None, [1, 2, 3], [])])
+    assert out[0].error is None and out[0].logprobs is not None
+    ids, values, rank = out[0].logprobs[0]
+    assert len(ids) == len(values) == 1 + VOCAB and rank == 1
+    assert values[1:] == sorted(values[1:], reverse=True)
