@@ -20,6 +20,7 @@ from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput, Toke
 from pagedray.workers.grammar_mask import apply_grammar_bitmask
 from pagedray.workers.host_kv_buffer import HostKVBuffer
 from pagedray.workers.input_batch import InputBatch
+from pagedray.workers.kept_buffer import KeptBuffer
 from pagedray.workers.models.llama import LlamaForCausalLM
 from pagedray.workers.sampler import Sampler, SamplingRow, token_logprobs
 
@@ -51,7 +52,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.shape[3]
         self.batch = InputBatch(max_num_seqs, max_model_len, self.block_size)
-        self._logits_buffer: torch.Tensor | None = None  # see `_logits_out`
+        self._logits_buffer = KeptBuffer()  # see `_logits_out`
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -243,21 +244,13 @@ class ModelRunner:
 
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """Where the float32 logits of the rows a step samples go when the LM head computes in
-        another dtype: one buffer kept step after step, grown when a step samples more rows (at
-        most the batch's sequences). A fresh tensor of 32 MB or more is a fresh mmap that glibc
-        unmaps on release, whose page faults cost more than the copy: 64 rows of a 151,936-token
-        vocabulary took 11 ms to convert, 1.2 into a kept buffer (2 threads). Valid until the
-        next step's; None for a float32 head, whose logits are already the GEMM's own output.
-        (Prompt logprobs, rarer and in slices of up to 256 rows, keep no buffer.)"""
+        another dtype: a `KeptBuffer`, valid until the next step's; None for a float32 head,
+        whose logits are already the GEMM's own output. (Prompt logprobs, rarer and in slices of
+        up to 256 rows, keep no buffer.)"""
         config = self.model.config
         if config.dtype == torch.float32:
             return None
-        vocab = config.vocab_size
-        if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
-            self._logits_buffer = torch.empty(
-                (rows, vocab), dtype=torch.float32, device=self.device
-            )
-        return self._logits_buffer[:rows]
+        return self._logits_buffer.rows(rows, config.vocab_size, torch.float32, self.device)
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.batch.requests[req_id]

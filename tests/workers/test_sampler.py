@@ -222,6 +222,24 @@ def test_logprobs_come_from_raw_logits() -> None:
     ]
 
 
+def test_draws_in_the_kept_scratch_change_nothing_across_steps() -> None:
+    """The sampler draws in a copy of the logits it keeps from step to step: the caller's logits
+    stay as they were, and one sampler's seeded draws over steps of growing, shrinking and mixed
+    (greedy and random) batches equal a fresh sampler's for each step."""
+    kept = make_sampler()
+    for step, num_rows in enumerate([3, 6, 2, 6, 4]):
+        logits = random_logits(num_rows, seed=step)
+        before = logits.clone()
+        rows = [
+            row(seed=10 + i, output=[i, 0] * step, temperature=0.7 + 0.1 * i, min_p=0.02)
+            if i != 1
+            else row(temperature=0.0, repetition_penalty=1.3, output=[2] * step)
+            for i in range(num_rows)
+        ]
+        assert tokens(kept(logits, rows)) == tokens(make_sampler()(logits.clone(), rows))
+        assert torch.equal(logits, before)
+
+
 def test_num_samples_returns_that_many_tokens() -> None:
     logits = random_logits(2, vocab=64, seed=5)
     rows = [row(seed=1, num_samples=4, logprobs=2), row(temperature=0.0, num_samples=4)]
