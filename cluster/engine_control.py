@@ -25,7 +25,7 @@ from pagedray.engine.engine_client import Health
 from pagedray.engine.request_errors import RETRY_AFTER_S
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # Seconds the ingress waits for every engine replica to answer a health or stats call.
 CONTROL_TIMEOUT_S = 10.0
 

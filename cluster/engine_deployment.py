@@ -27,6 +27,7 @@ from pagedray.cluster.engine_router import (
 )
 from pagedray.cluster.kv_puller import KVPuller
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
+from pagedray.cluster.replica_logging import log_through_serve
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
@@ -89,6 +90,7 @@ class EngineDeployment:
         engine_builder: EngineBuilder | None = None,
     ) -> None:
         """`engine_builder` (default `_replica_engine`) lets tests inject a faulty engine."""
+        log_through_serve()  # before the engine's start-up lines
         self.config = _with_serving_threads(EngineConfig.model_validate(config))
         # Built on the thread that will step it (see workers/compute_thread.py).
         engine, self.executor, _, _ = compute_thread().run(

@@ -20,6 +20,7 @@ from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
 from pagedray.cluster.ingress_metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import export_urls, fetch_exports, merge_pagedray_families
+from pagedray.cluster.replica_logging import log_through_serve
 from pagedray.cluster.response_store_deployment import ServeResponseStore
 from pagedray.cluster.serve_bind_fix import install_serve_bind_fix
 from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
@@ -83,6 +84,7 @@ class OpenAIIngress:
         # In the replica: transformers comes with it; the app's builder needs none of it.
         from pagedray.engine.tokenizer_loading import load_tokenizer, make_validator
 
+        log_through_serve()
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         install_serve_bind_fix()  # before the replica listens on the API port (after this)
         engine_config = EngineConfig.model_validate(config)

@@ -22,7 +22,7 @@ from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.scheduler.kv_events import KVCacheDelta
 from pagedray.scheduler.prefix_hash import compute_block_hashes
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # Seconds between attempts to follow a live replica again after its stream broke.
 RESUBSCRIBE_AFTER_S = 1.0
 

@@ -28,7 +28,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 from pagedray.cluster.engine_metrics import EngineMetrics
 from pagedray.cluster.ingress_metrics import GENERATION_ROUTES, IngressMetrics, RouterMetrics
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 
 PREFIX = "ray_pagedray_"
 # Seconds to wait for one node's export port: a node that does not answer is left out, so a

@@ -25,7 +25,7 @@ from pagedray.engine.wire import GenerateRequest
 from pagedray.scheduler.request import child_seed
 from pagedray.scheduler.request_failure import RequestFailure
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # Times a request is sent again after its engine failed it, by default, and the first pause
 # before it is (doubling with each).
 DEFAULT_MIGRATION_LIMIT = 3

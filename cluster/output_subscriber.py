@@ -17,7 +17,7 @@ from typing import Any, Callable
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 from pagedray.engine.wire import RequestStepOutput
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # Seconds between attempts to subscribe again after a subscription broke while requests of
 # that replica were still open (if the replica died, their own calls fail and end the retries).
 RESUBSCRIBE_AFTER_S = 0.5

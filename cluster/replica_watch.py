@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from pagedray.engine.output_channel import REPLICA_ID_KWARG
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # The migration reason of a request that left such a replica (`pagedray_request_migrations`).
 STALLED_REASON = "stalled"
 PROBE_PERIOD_S = 1.0

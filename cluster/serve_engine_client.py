@@ -49,7 +49,7 @@ from pagedray.engine.step_outputs import merge_step_outputs
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # Seconds a streamed request's finish may trail its call's end (they travel on separate paths).
 CHANNEL_LAG_S = 10.0
 # On the queue of a streamed request: its call ended (its finish may still be on the channel).

@@ -17,7 +17,7 @@ from pagedray.engine.request_text import RequestText
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 
 
 class EngineStreams:

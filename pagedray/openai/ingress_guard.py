@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedray.openai.serving import error_response
 
 # A child of Serve's logger, so records land in the replica's Serve log with its context.
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # How much of a refused body is read and dropped, and for how long, before the answer goes out

@@ -35,7 +35,7 @@ class IngressMetrics(Protocol):
     def record(self, route: str, status: int, latency: float) -> None: ...
 
 
-logger = logging.getLogger("ray.serve.pagedray.ingress")
+logger = logging.getLogger(__name__)
 # Seconds a client is told to wait after a 503 that names no time of its own.
 DEFAULT_RETRY_AFTER_S = 1
 

@@ -128,7 +128,7 @@ def test_body_limit_from_content_length_and_while_reading(client: TestClient) ->
 def test_unhandled_exception_is_an_opaque_500(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="ray.serve.pagedray.ingress"):
+    with caplog.at_level(logging.ERROR, logger="pagedray"):
         response = client.get("/boom", headers=AUTH)
     error = _error(response, 500)
     assert error["message"].startswith("internal error (request req-")
@@ -288,7 +288,7 @@ def _outputs(
         return [out async for _, out in streams.merged()]
 
     migrations = [] if migrations is None else migrations
-    with caplog.at_level(logging.WARNING, logger="ray.serve.pagedray.ingress"):
+    with caplog.at_level(logging.WARNING, logger="pagedray"):
         outputs = asyncio.run(run())
     # Each call after the first is a move, counted once the router placed it.
     assert len(migrations) == (handle.num_calls - 1 if handle.live else 0)

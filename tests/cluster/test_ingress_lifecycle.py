@@ -196,14 +196,8 @@ def test_a_cancelled_read_is_a_disconnect(caplog: pytest.LogCaptureFixture) -> N
         "server": ("test", 80),
         "client": ("test", 1),
     }
-    # NOTE: the guard's logger is below Serve's, which does not propagate to the root logger
-    # once Ray Serve is imported, so pytest's handler goes on the logger itself.
-    logger = logging.getLogger("ray.serve.pagedray.ingress")
-    logger.addHandler(caplog.handler)
-    try:
+    with caplog.at_level(logging.INFO, logger="pagedray"):
         asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
-    finally:
-        logger.removeHandler(caplog.handler)
     assert closed and sent[0]["status"] == 200
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 

@@ -252,3 +252,10 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         assert len(completions) == 1 + DROPS + 1, completions
         assert all(line.startswith("INFO ") for line in completions)
         assert "CALL generate" not in engine
+        # pagedray's own INFO lines reach the replica's file, in Serve's format: here the
+        # rank's choice of threads for streamed steps (cluster/replica_logging.py), made where
+        # the two counts differ (a core is left to the serving path).
+        if serving_threads_per_rank(1) != quiet_threads_per_rank(1):
+            chosen = [line for line in engine.splitlines() if "streamed steps run on" in line]
+            assert len(chosen) == 1 and chosen[0].startswith("INFO "), chosen
+            assert " pagedray_PagedRayEngine " in chosen[0]
