@@ -188,12 +188,17 @@ class Worker:
 
     def _reserve_pays(self) -> bool:
         """Measures the projections' work at a decode batch on one thread (`reserved_core_pays`);
-        runs on, and leaves, the serving count."""
+        runs on, and leaves, the serving count. Collective: every rank calls it, and every rank
+        gets the same answer."""
         rows = min(self.config.max_num_seqs, RESERVE_PROBE_ROWS)
         all_threads = self.config.quiet_num_threads or self.serving_num_threads
         # Past 4x the break-even, more passes could not change the answer.
         clear_s = 4 * break_even_work_s(rows, self.serving_num_threads, all_threads)
         work_s = projection_work(self.model, rows, enough_s=clear_s)
+        # Every rank takes the same side, from the ranks' mean work: a rank stepping on fewer
+        # threads than the others would hold up each all-reduce of every step.
+        work = self.tp.all_reduce(torch.tensor([work_s], dtype=torch.float64))
+        work_s = float(work.item()) / self.tp.world_size
         pays = reserved_core_pays(work_s, rows, self.serving_num_threads, all_threads)
         logger.info(
             "rank %d: projections at %d rows, %.1f ms of work: streamed steps run on %s",
