@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from typing import cast
 
 import torch
@@ -141,6 +142,20 @@ def _agrees_with_torch(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and bool(torch.allclose(got.double(), want, atol=tolerance * 40))
 
 
+def _projections(
+    model: torch.nn.Module,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """(weight, bias, packed weight or None) of each projection of `model`: every module with a
+    `packed_weight` attribute, packed or not (`weight` may be empty once packed)."""
+    for module in model.modules():
+        if hasattr(module, "packed_weight"):
+            yield (
+                cast(torch.Tensor, module.weight),
+                cast("torch.Tensor | None", getattr(module, "bias", None)),
+                cast("torch.Tensor | None", module.packed_weight),
+            )
+
+
 def warm_up(model: torch.nn.Module, max_rows: int, budget_s: float) -> int:
     """Has oneDNN compile its primitive for each packed projection (weight shape, with or
     without bias) at 1, 2, ... max_rows input rows, smallest first, until `budget_s` is spent:
@@ -148,12 +163,9 @@ def warm_up(model: torch.nn.Module, max_rows: int, budget_s: float) -> int:
     a first pass of the benchmark workload). A large model's products take longer, so fewer
     row counts fit in the budget. Returns the number of products run."""
     projections = {}
-    for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
+    for _, bias, packed in _projections(model):
         if packed is not None:
-            bias = getattr(module, "bias", None)
-            key = (tuple(packed.shape), packed.dtype, bias is not None)
-            projections[key] = (packed, bias)
+            projections[(tuple(packed.shape), packed.dtype, bias is not None)] = (packed, bias)
     count, deadline = 0, time.perf_counter() + budget_s
     with torch.inference_mode():
         for rows in range(1, max_rows + 1):
@@ -179,16 +191,11 @@ def projection_work(
     products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     products = []
     inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-    for module in model.modules():
-        if not hasattr(module, "packed_weight"):
-            continue
-        packed = cast("torch.Tensor | None", module.packed_weight)
-        plain = cast(torch.Tensor, module.weight)
+    for plain, bias, packed in _projections(model):
         # The packed weight's shape and dtype: the plain one may have been released.
         weight = plain if packed is None else packed
         key = (int(weight.shape[-1]), weight.dtype)
         x = inputs.setdefault(key, torch.zeros(rows, key[0], dtype=key[1]))
-        bias = cast("torch.Tensor | None", getattr(module, "bias", None))
         products.append((x, plain, bias, packed))
 
     def one_pass() -> float:
