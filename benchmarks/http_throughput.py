@@ -306,6 +306,8 @@ def free_port() -> int:
 class Server:
     """`pagedray serve` in a session of its own, with its own local Ray, logging to a file."""
 
+    _own_tier_dir: str | None = None  # a host KV tier made for this server, removed at stop
+
     def __init__(
         self,
         path: str,
@@ -318,8 +320,11 @@ class Server:
         tier_dir: str | None = None,
     ) -> None:
         """`threads` None: the server's own default (workers/cpu_threads.py); `extra_flags` go
-        to `pagedray serve` as they are; `tier_dir` holds its host KV tier (default the node's,
-        which outlives the server: a server started after another finds its blocks there)."""
+        to `pagedray serve` as they are; `tier_dir` holds its host KV tier. By default the
+        server gets a tier of its own, removed at `stop`, unless the environment names one
+        (PAGEDRAY_KV_TIER_DIR: a caller sharing a tier across its servers on purpose): the
+        node's outlives a server, and one started after another would find the prompts of the
+        earlier one computed (seeded workloads repeat them), which no peer's server does."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         executable = Path(sys.executable).with_name("pagedray")
@@ -342,6 +347,12 @@ class Server:
             command += ["--num-threads", str(threads)]
         command += extra_flags
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
+        if tier_dir is None and TIER_DIR_ENV not in env:
+            shm = Path("/dev/shm")
+            tier_dir = tempfile.mkdtemp(
+                prefix="pagedray-bench-tier-", dir=shm if shm.is_dir() else None
+            )
+            self._own_tier_dir = tier_dir
         if tier_dir is not None:
             env[TIER_DIR_ENV] = tier_dir
         self.log_path = log_dir / f"serve_tp{tp}.log"
@@ -388,6 +399,8 @@ class Server:
                 time.sleep(0.2)
         if left := self._session_pids():
             print(f"WARNING: server processes {left} are still running")
+        if self._own_tier_dir is not None:
+            shutil.rmtree(self._own_tier_dir, ignore_errors=True)
         self._log.close()
         return f"{sent}, {time.perf_counter() - start:.1f} s"
 

@@ -116,15 +116,12 @@ def warm_up(url: str) -> None:
 
 def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) -> Served:
     log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_peer_{system.replace(' ', '')}_"))
-    # NOTE: a host KV tier of this server's own, removed with it: the node's outlives a server,
-    # and guidellm's seeded prompts repeat from one sweep to the next, so a later round's server
-    # would find the earlier one's prompts computed (vLLM starts with an empty cache each time).
-    shm = Path("/dev/shm")
-    tier_dir = tempfile.mkdtemp(prefix="vllm_peer_tier_", dir=shm if shm.is_dir() else None)
     server: Server
     if system in ("pagedray", NO_RAY):
+        # NOTE: each with a host KV tier of its own (`Server`'s default): guidellm's seeded
+        # prompts repeat from one sweep to the next, and vLLM starts with an empty cache.
         flags = ("--no-ray",) if system == NO_RAY else ()
-        server = Server(path, args.server_threads, 1, log_dir, 1, flags, args.dtype, tier_dir)
+        server = Server(path, args.server_threads, 1, log_dir, 1, flags, args.dtype)
         role_of = _role_of
     else:
         server, role_of = VllmServer(env, path, log_dir, dtype=args.dtype), vllm_role
@@ -166,7 +163,6 @@ def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) 
             raise
         finally:
             print(f"{system} server stopped ({server.stop()})", flush=True)
-            shutil.rmtree(tier_dir, ignore_errors=True)
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when the sweep failed
     by_role, others_s, window_s = timeline.window(concurrent.start, concurrent.end)
     by_role.pop("benchmark", None)
