@@ -14,15 +14,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedray.tools.default_model import (
     ARCHS,
-    NUM_RESERVED,
     PRESET_ARCHS,
     PRESETS,
-    SPECIAL_TOKENS,
     _build_config,
-    _build_tokenizer,
     default_model_path,
     make_model,
 )
+from pagedray.tools.default_tokenizer import NUM_RESERVED, SPECIAL_TOKENS, build_tokenizer
 from pagedray.workers.model_config import ModelConfig
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -281,7 +279,7 @@ def test_a_vocabulary_past_the_trained_one_is_filled_with_words_not_added_tokens
     made-up words that decode, which encoding never emits; the reserved special tokens stay at
     the top ids; the same seed gives the same tokenizer."""
     size = 6600
-    first, second = (_build_tokenizer(size, 0, 2048) for _ in range(2))
+    first, second = (build_tokenizer(size, 0, 2048) for _ in range(2))
     assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
     assert len(first) == size
     added = sorted(first.added_tokens_decoder)
