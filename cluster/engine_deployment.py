@@ -64,9 +64,6 @@ DRAIN_POLL_S = 0.5
 EngineBuilder = Callable[[EngineConfig], tuple[Any, Any, Any, Any]]
 
 logger = logging.getLogger(__name__)
-# A child of Serve's logger: its records land in this replica's Serve log, at the deployment's
-# `logging_config.log_level`.
-call_logger = logging.getLogger("ray.serve.pagedray.engine")
 
 
 @serve.deployment(
@@ -126,7 +123,7 @@ class EngineDeployment:
         naming this replica. Without one, the request wants one output (`stream_interval` None),
         and the answer is that output: the request and its answer are the only two messages.
         """
-        call_logger.debug(
+        logger.debug(
             "generate %s: %d prompt tokens", request.request_id, len(request.prompt_token_ids)
         )
         self._publish_kv_deltas()

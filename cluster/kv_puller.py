@@ -25,8 +25,6 @@ from pagedray.scheduler.prefix_hash import compute_block_hashes
 PULL_TIMEOUT_S = 2.0
 
 logger = logging.getLogger(__name__)
-# A child of Serve's logger: its records land in this replica's Serve log.
-call_logger = logging.getLogger("ray.serve.pagedray.engine")
 
 
 class KVPuller:
@@ -70,7 +68,7 @@ class KVPuller:
             logger.info("pulling %d KV blocks from %s failed: %r", len(hashes), holder, exc)
             return
         self.engine.give_kv(export)
-        call_logger.debug(
+        logger.debug(
             "%s: pulled %d of %d KV blocks from %s",
             request.request_id, len(export.block_hashes), len(hashes), pull.replica_id,
         )  # fmt: skip
