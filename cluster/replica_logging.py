@@ -1,28 +1,64 @@
-"""pagedray's own log lines in a Serve replica's log file, beside Serve's, at Serve's level.
+"""Where pagedray's own log lines go in the processes Serve and Ray start for it.
 
 Ray Serve writes a replica's log file through the handlers of its `ray.serve` logger only, and
-turns the replica's stdout and stderr into INFO lines of that logger. Every module outside the
-Serve layer logs to a `pagedray.*` logger, which had no handler in a replica: its INFO lines
-(the host KV tier's size and path, the thread counts a rank chose, blocks saved at exit) were
-dropped, and its warnings and errors came through Python's last-resort stderr handler as
-INFO lines of Serve's, their level lost.
+turns the replica's stdout and stderr into INFO lines of that logger. Every module logs to a
+`pagedray.*` logger, which had no handler in a replica: its INFO lines (the host KV tier's path
+and size, the thread counts a rank chose, blocks saved at exit) were dropped, and its warnings
+and errors came through Python's last-resort stderr handler as INFO lines of Serve's, their
+level lost. A rank in an actor of its own (TP > 1) is no replica: its lines go to the actor's
+stderr, which Ray keeps in the actor's log (the dashboard's Actors page) and streams to the
+driver.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 
 SERVE_LOGGER_NAME = "ray.serve"  # ray/serve/_private/constants.py
 PAGEDRAY_LOGGER_NAME = "pagedray"
+RANK_LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
+ROUTE_MARK = "pagedray_route"  # an attribute on the handler this module added
+
+
+class _ToServe(logging.Handler):
+    """Hands each record to Serve's logger: to whatever handlers it has at the time (Serve
+    replaces them when a deployment's `logging_config` changes), with its filters (the
+    replica's and the request's context)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger(SERVE_LOGGER_NAME).handle(record)
 
 
 def log_through_serve() -> None:
-    """Has the `pagedray` logger write through this replica's Serve handlers (its log file, and
-    stderr where RAY_SERVE_LOG_TO_STDERR asks), at the level the deployment's `logging_config`
-    gives Serve's logger. Idempotent; called in a replica's constructor, after Serve has set its
-    logger up for the replica."""
+    """Has the `pagedray` logger write through this replica's Serve logger, at the level the
+    deployment's `logging_config` gives it (its log file, and stderr where
+    RAY_SERVE_LOG_TO_STDERR asks). Idempotent; called in a replica's constructor, after Serve
+    has set its logger up. Outside a replica (no Serve handlers), nothing changes."""
     serve_logger = logging.getLogger(SERVE_LOGGER_NAME)
+    if not serve_logger.handlers:
+        return
+    _route(_ToServe, serve_logger.getEffectiveLevel())
+
+
+def log_to_stderr() -> None:
+    """Has the `pagedray` logger write INFO and above to this process's stderr: a rank's
+    actor, whose stderr Ray keeps in its log. Idempotent."""
+
+    def stderr_handler() -> logging.Handler:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(RANK_LOG_FORMAT))
+        return handler
+
+    _route(stderr_handler, logging.INFO)
+
+
+def _route(make_handler: Callable[[], logging.Handler], level: int) -> None:
     pagedray_logger = logging.getLogger(PAGEDRAY_LOGGER_NAME)
-    pagedray_logger.handlers = list(serve_logger.handlers)
-    pagedray_logger.setLevel(serve_logger.getEffectiveLevel())
-    pagedray_logger.propagate = False  # as Serve's own: no second copy through the root logger
+    if not any(getattr(h, ROUTE_MARK, False) for h in pagedray_logger.handlers):
+        handler = make_handler()
+        setattr(handler, ROUTE_MARK, True)  # ours, among any a user added
+        pagedray_logger.addHandler(handler)
+    pagedray_logger.setLevel(level)
+    pagedray_logger.propagate = False  # one copy: not again through the root logger

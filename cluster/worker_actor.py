@@ -16,6 +16,7 @@ import threading
 import ray
 
 from pagedray.cluster.pipe_dispatch import PipeWorkerLoop
+from pagedray.cluster.replica_logging import log_to_stderr
 from pagedray.scheduler.messages import ModelRunnerOutput, SchedulerOutput
 from pagedray.workers.compute_thread import compute_thread
 from pagedray.workers.worker import Worker
@@ -27,6 +28,7 @@ class WorkerActor:
     """One rank. Resources (`num_cpus=1`, `num_gpus=1` on GPU) are set by the executor."""
 
     def __init__(self) -> None:
+        log_to_stderr()  # before the rank's start-up lines
         self.worker: Worker | None = None
         self.pipe_loop: PipeWorkerLoop | None = None
         # NOTE: the pipe loop's thread runs steps next to the actor's own method calls; the

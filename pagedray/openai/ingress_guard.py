@@ -29,7 +29,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.openai.serving import error_response
 
-# A child of Serve's logger, so records land in the replica's Serve log with its context.
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
