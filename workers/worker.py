@@ -133,7 +133,7 @@ class Worker:
             for every_core in (True, False) if self._switches_threads() else (False,):
                 self._use_threads(every_core)
                 warm_up(self.model, rows, WARM_UP_BUDGET_S)
-            if self._switches_threads():
+            if self._switches_threads() or self.tp.world_size > 1:
                 self.keeps_reserve = self._reserve_pays()
         tiers = self._open_tiers(kv_cache)
         self.runner = ModelRunner(
@@ -188,21 +188,25 @@ class Worker:
 
     def _reserve_pays(self) -> bool:
         """Measures the projections' work at a decode batch on one thread (`reserved_core_pays`);
-        runs on, and leaves, the serving count. Collective: every rank calls it, and every rank
-        gets the same answer."""
+        runs on, and leaves, the serving count. Collective at TP > 1: every CPU rank calls it
+        (switching thread counts or not, which each judges from its own), and every rank gets
+        the same answer: from the ranks' mean work, as a rank stepping on fewer threads than
+        the others would hold up each all-reduce of every step; the default (True) unless every
+        rank switches."""
+        switches = self._switches_threads()
         rows = min(self.config.max_num_seqs, RESERVE_PROBE_ROWS)
         all_threads = self.config.quiet_num_threads or self.serving_num_threads
         # Past 4x the break-even, more passes could not change the answer.
         clear_s = 4 * break_even_work_s(rows, self.serving_num_threads, all_threads)
-        work_s = projection_work(self.model, rows, enough_s=clear_s)
-        # Every rank takes the same side, from the ranks' mean work: a rank stepping on fewer
-        # threads than the others would hold up each all-reduce of every step.
-        work = self.tp.all_reduce(torch.tensor([work_s], dtype=torch.float64))
-        work_s = float(work.item()) / self.tp.world_size
+        own_s = projection_work(self.model, rows, enough_s=clear_s) if switches else 0.0
+        summed = self.tp.all_reduce(torch.tensor([own_s, float(switches)], dtype=torch.float64))
+        if int(summed[1].item()) < self.tp.world_size:
+            return True
+        work_s = float(summed[0].item()) / self.tp.world_size
         pays = reserved_core_pays(work_s, rows, self.serving_num_threads, all_threads)
         logger.info(
-            "rank %d: projections at %d rows, %.1f ms of work: streamed steps run on %s",
-            self.rank, rows, 1000 * work_s,
+            "rank %d: projections at %d rows, %.1f ms of work (%.1f the ranks' mean): streamed "
+            "steps run on %s", self.rank, rows, 1000 * own_s, 1000 * work_s,
             f"{self.serving_num_threads} thread(s)" if pays else f"every core ({all_threads})",
         )  # fmt: skip
         return pays
