@@ -13,7 +13,11 @@ import torch
 
 class KeptBuffer:
     """Rows of one width, dtype and device, grown when a step needs more rows and never shrunk
-    (at most the batch's sequences). What `rows` returns is valid until its next call."""
+    (at most the batch's sequences). What `rows` returns is valid until its next call.
+
+    Kept on a CPU only: an accelerator's caching allocator already reuses what a step freed,
+    so a fresh tensor costs nothing there, and one held for good would take memory the KV
+    pool was sized without."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None  # [capacity_rows, width]
@@ -21,7 +25,10 @@ class KeptBuffer:
     def rows(
         self, num_rows: int, width: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """An uninitialised, contiguous [num_rows, width] view of the kept tensor."""
+        """An uninitialised, contiguous [num_rows, width] view of the kept tensor (on a CPU;
+        elsewhere a fresh tensor)."""
+        if device.type != "cpu":
+            return torch.empty((num_rows, width), dtype=dtype, device=device)
         buffer = self._buffer
         if (
             buffer is None

@@ -227,12 +227,13 @@ def test_draws_in_the_kept_scratch_change_nothing_across_steps() -> None:
     stay as they were, and one sampler's seeded draws over steps of growing, shrinking and mixed
     (greedy and random) batches equal a fresh sampler's for each step."""
     kept = make_sampler()
-    for step, num_rows in enumerate([3, 6, 2, 6, 4]):
+    for step, num_rows in enumerate([3, 6, 2, 6, 4, 7]):
         logits = random_logits(num_rows, seed=step)
         before = logits.clone()
+        mixed = step % 2 == 0  # a greedy row among them; else every row drawn in the scratch
         rows = [
             row(seed=10 + i, output=[i, 0] * step, temperature=0.7 + 0.1 * i, min_p=0.02)
-            if i != 1
+            if i != 1 or not mixed
             else row(temperature=0.0, repetition_penalty=1.3, output=[2] * step)
             for i in range(num_rows)
         ]
