@@ -347,7 +347,7 @@ class Server:
             command += ["--num-threads", str(threads)]
         command += extra_flags
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join another Ray
-        if tier_dir is None and TIER_DIR_ENV not in env:
+        if tier_dir is None and not env.get(TIER_DIR_ENV):
             shm = Path("/dev/shm")
             tier_dir = tempfile.mkdtemp(
                 prefix="pagedray-bench-tier-", dir=shm if shm.is_dir() else None
@@ -356,11 +356,16 @@ class Server:
         if tier_dir is not None:
             env[TIER_DIR_ENV] = tier_dir
         self.log_path = log_dir / f"serve_tp{tp}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        # start_new_session: the server and all it starts form a session apart from ours.
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        try:
+            self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+            # start_new_session: the server and all it starts form a session apart from ours.
+            self.proc = subprocess.Popen(
+                command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        except BaseException:
+            if self._own_tier_dir is not None:
+                shutil.rmtree(self._own_tier_dir, ignore_errors=True)
+            raise
 
     def wait_healthy(self, timeout_s: float) -> float:
         """Seconds until GET /health answers 200; raises if the server exits or takes too long."""
