@@ -29,6 +29,7 @@ from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.inverse_cdf import inverse_cdf
 from pagedray.workers.kept_buffer import KeptBuffer
+from pagedray.workers.row_argmax import row_argmax
 from pagedray.workers.top_k_top_p import apply_top_k_top_p
 
 
@@ -169,7 +170,7 @@ class Sampler:
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
         samples: list[list[int] | None]
         if all(self._is_plain_greedy(row) for row in rows):
-            argmax = logits.argmax(dim=-1).tolist()  # [num_rows]
+            argmax = row_argmax(logits).tolist()  # [num_rows]
             samples = [[token_id] * row.num_samples for token_id, row in zip(argmax, rows)]
         else:
             samples = self._sample(logits, rows)
@@ -201,7 +202,7 @@ class Sampler:
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
             greedy_logits = logits.index_select(0, index)  # [num_greedy, vocab_size]
-            argmax = greedy_logits.argmax(dim=-1).tolist()  # [num_greedy]
+            argmax = row_argmax(greedy_logits).tolist()  # [num_greedy]
             valid = (~greedy_logits.isnan().any(dim=-1)).tolist()  # [num_greedy]
             for i, token_id, ok in zip(greedy, argmax, valid):
                 samples[i] = [token_id] * rows[i].num_samples if ok else None
