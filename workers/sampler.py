@@ -114,6 +114,10 @@ def apply_min_tokens(
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Applies repetition (HF), then frequency and presence (OpenAI) penalties, in place.
 
+    Only the logits of tokens a row has seen change, so only those are read and written: at 64
+    rows of a 152k vocabulary the dense way (counts, masks and penalised copies of the whole
+    batch) took 140-280 ms a step, more than the model's.
+
     Args:
         logits: [num_rows, vocab_size] float32, one row per entry of `rows`.
         rows: the rows; those without penalties are left untouched.
@@ -122,21 +126,41 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not penalized:
         return
     sub_rows = [rows[i] for i in penalized]
-    device = logits.device
-    index = torch.tensor(penalized, device=device)
-    sub = logits.index_select(0, index)  # [num_penalized, vocab_size]
-    output_counts = _token_counts([r.output_token_ids for r in sub_rows], sub)  # like sub
-    output_seen = output_counts > 0
+    device, vocab_size = logits.device, logits.shape[1]
+    # Each (row, token) as one key, row * vocab_size + token, rows numbered among `penalized`.
+    output_keys, output_counts = _row_token_keys(
+        [r.output_token_ids for r in sub_rows], vocab_size, device
+    ).unique(return_counts=True)  # [num_output_keys]: sorted
     repetition = [r.params.repetition_penalty for r in sub_rows]
-    if any(p != 1.0 for p in repetition):
-        # HF semantics: over prompt and output tokens; shrink positive logits, grow negative ones.
-        seen = output_seen | (_token_counts([r.prompt_token_ids for r in sub_rows], sub) > 0)
-        penalty = torch.tensor(repetition, device=device).unsqueeze(1)  # [num_penalized, 1]
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    keys = output_keys
+    if any(p != 1.0 for p in repetition):  # HF semantics: over prompt and output tokens
+        prompt_keys = _row_token_keys([r.prompt_token_ids for r in sub_rows], vocab_size, device)
+        keys = torch.cat([output_keys, prompt_keys]).unique()  # [num_keys]: sorted
+    counts = torch.zeros(len(keys), dtype=logits.dtype, device=device)  # [num_keys]
+    counts[torch.searchsorted(keys, output_keys)] = output_counts.to(logits.dtype)
+    local_rows = keys // vocab_size  # [num_keys]
+    index = (torch.tensor(penalized, device=device)[local_rows], keys % vocab_size)
+    values = logits[index]  # [num_keys]
+    if keys is not output_keys:
+        # Shrink positive logits, grow negative ones (a row at 1.0 divides by one: unchanged).
+        penalty = torch.tensor(repetition, device=device)[local_rows]  # [num_keys]
+        values = torch.where(values > 0, values / penalty, values * penalty)
     frequency = torch.tensor([r.params.frequency_penalty for r in sub_rows], device=device)
     presence = torch.tensor([r.params.presence_penalty for r in sub_rows], device=device)
-    sub = sub - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * output_seen
-    logits.index_copy_(0, index, sub)
+    values = values - frequency[local_rows] * counts - presence[local_rows] * (counts > 0)
+    logits.index_put_(index, values)
+
+
+def _row_token_keys(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[total tokens] int64: row * vocab_size + token for each token of each row's list."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    token_idx = torch.tensor(
+        list(chain.from_iterable(token_lists)), dtype=torch.long, device=device
+    )
+    return row_idx * vocab_size + token_idx
 
 
 class Sampler:
@@ -314,19 +338,6 @@ def _banned_token_ids(row: SamplingRow, eos_token_ids: tuple[int, ...]) -> list[
     if not params.ignore_eos:
         banned.extend(eos_token_ids)
     return banned
-
-
-def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """Per-row token occurrence counts, float32, shaped like `like` [num_rows, vocab_size]."""
-    device = like.device
-    counts = torch.zeros_like(like)
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
-    row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
-    token_idx = torch.tensor(
-        list(chain.from_iterable(token_lists)), dtype=torch.long, device=device
-    )
-    counts.index_put_((row_idx, token_idx), torch.ones_like(token_idx, dtype=like.dtype), True)
-    return counts
 
 
 def _compute_logprobs(

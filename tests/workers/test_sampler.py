@@ -157,6 +157,57 @@ def test_penalties_change_logits_exactly() -> None:
     assert logits[1].tolist() == [2.0, -1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25, 3.0, -2.0, 1.0]
 
 
+def _dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties over whole rows, the plain way: the reference the sparse update matches."""
+    out = logits.clone()
+    for i, r in enumerate(rows):
+        params = r.params
+        counts = torch.zeros(logits.shape[1])
+        for token in r.output_token_ids:
+            counts[token] += 1
+        seen = counts > 0
+        if params.repetition_penalty != 1.0:
+            for token in r.prompt_token_ids:
+                seen[token] = True
+            penalty = torch.tensor(params.repetition_penalty)
+            out[i] = torch.where(
+                seen, torch.where(out[i] > 0, out[i] / penalty, out[i] * penalty), out[i]
+            )
+        out[i] = (
+            out[i]
+            - torch.tensor(params.frequency_penalty) * counts
+            - torch.tensor(params.presence_penalty) * (counts > 0)
+        )
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, VOCAB - 1), max_size=8),  # prompt
+            st.lists(st.integers(0, VOCAB - 1), max_size=8),  # output
+            st.sampled_from([1.0, 0.5, 1.3]),  # repetition
+            st.sampled_from([0.0, -1.5, 0.25]),  # frequency
+            st.sampled_from([0.0, 2.0, -0.5]),  # presence
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(0, 2**31 - 1),
+)
+def test_sparse_penalties_equal_the_dense_reference(cases: list, seed: int) -> None:
+    rows = [
+        row(prompt=prompt, output=output, repetition_penalty=rep, frequency_penalty=freq,
+            presence_penalty=pres)
+        for prompt, output, rep, freq, pres in cases
+    ]  # fmt: skip
+    logits = random_logits(len(rows), seed=seed)
+    expected = _dense_penalties(logits, rows)
+    apply_penalties(logits, rows)
+    assert torch.equal(logits, expected)
+
+
 def test_rows_without_penalties_untouched() -> None:
     logits = random_logits(2)
     original = logits.clone()
