@@ -30,7 +30,7 @@ from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.workers.inverse_cdf import inverse_cdf
 from pagedray.workers.kept_buffer import KeptBuffer
 from pagedray.workers.row_argmax import row_argmax
-from pagedray.workers.top_k_top_p import apply_top_k_top_p
+from pagedray.workers.top_k_top_p import apply_top_k_top_p_
 
 
 @dataclass
@@ -253,7 +253,7 @@ class Sampler:
             # NOTE: a top_k past the vocabulary keeps every token, like 0.
             top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+            apply_top_k_top_p_(logits, top_k, top_p)
         # Softmax's numerators, exp(logit - the row's largest), in place: the draw needs no
         # normalised weights (inverse_cdf scales its points by each row's total), and at 64 rows
         # of a 152k vocabulary each fresh tensor (the division, the softmax, its isfinite) cost

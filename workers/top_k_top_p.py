@@ -33,54 +33,84 @@ def apply_top_k_top_p(
         top_k: [num_rows] int64, 0 = off (a value past the vocabulary is off too).
         top_p: [num_rows] float32 in (0, 1], 1 = off.
     Returns:
-        [num_rows, vocab_size] logits with dropped tokens at -inf; rows with neither filter are
-        returned as they are.
+        [num_rows, vocab_size] logits with dropped tokens at -inf (a new tensor; rows with
+        neither filter as they were).
     """
+    return apply_top_k_top_p_(logits.clone(), top_k, top_p)
+
+
+def apply_top_k_top_p_(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """`apply_top_k_top_p` in place: each row is rewritten once it is settled, so a batch of
+    a large vocabulary costs no fresh copy of it (at 64 rows of 152k tokens each cost 12 ms in
+    page faults). Returns `logits`."""
     vocab_size = logits.shape[1]
     k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)  # [num_rows]
-    out = torch.full_like(logits, float("-inf"))
-    untouched = (k == vocab_size) & (top_p >= 1.0)  # [num_rows]
-    if bool(untouched.any()):
-        out[untouched] = logits[untouched]
-    pending = ~untouched  # [num_rows]: rows still to filter
+    pending = (k < vocab_size) | (top_p < 1.0)  # [num_rows]: rows still to filter
+    row_lse: torch.Tensor | None = None  # [num_rows]: each whole row's logsumexp, once
     for width in CANDIDATE_WIDTHS:
         if 2 * width > vocab_size or not bool(pending.any()):
             break
         rows = pending.nonzero().squeeze(1)  # [num_pending]
-        filtered, settled = _among_candidates(logits[rows], k[rows], top_p[rows], width)
-        out[rows[settled]] = filtered[settled]
-        pending[rows[settled]] = False
+        pending_logits = logits if len(rows) == len(logits) else logits[rows]
+        if row_lse is None:
+            row_lse = _whole_row_lse(logits, k == vocab_size)
+        values, token_ids, settled = _among_candidates(
+            pending_logits, k[rows], top_p[rows], width, row_lse[rows]
+        )
+        settled_rows = rows[settled]
+        logits.index_fill_(0, settled_rows, float("-inf"))
+        logits[settled_rows.unsqueeze(1), token_ids[settled]] = values[settled]
+        pending[settled_rows] = False
     if bool(pending.any()):
-        out[pending] = apply_top_k_top_p_sorted(logits[pending], top_k[pending], top_p[pending])
-    return out
+        logits[pending] = apply_top_k_top_p_sorted(logits[pending], top_k[pending], top_p[pending])
+    return logits
+
+
+def _whole_row_lse(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[num_rows]: the logsumexp of each row `rows` [num_rows] bool marks (the normaliser of a
+    row with top_p alone), NaN elsewhere."""
+    lse = torch.full((len(logits),), float("nan"), device=logits.device)
+    if bool(rows.any()):
+        lse[rows] = (logits if bool(rows.all()) else logits[rows]).logsumexp(dim=-1)
+    return lse
 
 
 def _among_candidates(
-    logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Filters each row among its best `width` tokens; returns the filtered rows and which of
-    them are settled (their kept set lies among the candidates; the others are to be redone).
+    logits: torch.Tensor,
+    k: torch.Tensor,
+    top_p: torch.Tensor,
+    width: int,
+    row_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Filters each row among its best `width` tokens; returns their values (-inf where
+    dropped) and ids, and which rows are settled (their kept set lies among the candidates;
+    the others are to be redone). Reads `logits`, writes nothing.
 
     Args:
         logits: [num_rows, vocab_size]; k: [num_rows], the vocabulary size where top_k is off;
-        top_p: [num_rows].
+        top_p: [num_rows]; row_lse: [num_rows], `_whole_row_lse` where known.
+    Returns:
+        values [num_rows, width], token_ids [num_rows, width], settled [num_rows].
     """
     vocab_size = logits.shape[1]
     values, token_ids = logits.topk(width, dim=-1)  # [num_rows, width], best first
     positions = torch.arange(width, device=logits.device).unsqueeze(0)  # [1, width]
     kept = positions < k.unsqueeze(1)  # [num_rows, width]
-    # The top-k distribution's normaliser: its k candidates, or the whole row where k is the
-    # vocabulary (a k between the two is not settled here).
+    # The top-k distribution's normaliser: its k candidates, or the whole row where top_k is
+    # off (a k between the two is not settled here, so its normaliser does not matter).
     within = values.masked_fill(~kept, float("-inf")).logsumexp(dim=-1)  # [num_rows]
-    normaliser = torch.where(k <= width, within, logits.logsumexp(dim=-1))  # [num_rows]
+    whole = k == vocab_size  # [num_rows]: rows with top_p alone
+    if row_lse is None:
+        row_lse = _whole_row_lse(logits, whole)
+    normaliser = torch.where(whole, row_lse, within)  # [num_rows]
     probs = (values - normaliser.unsqueeze(1)).exp().masked_fill(~kept, 0.0)  # [num_rows, width]
     drop = _past_nucleus(probs, top_p)
     kept &= ~drop
     # mass_before only grows, so a dropped last candidate means every later token is dropped.
     settled = (k <= width) | (drop[:, -1] & (k == vocab_size))  # [num_rows]
-    filtered = torch.full_like(logits, float("-inf"))
-    filtered.scatter_(1, token_ids, values.masked_fill(~kept, float("-inf")))
-    return filtered, settled
+    return values.masked_fill(~kept, float("-inf")), token_ids, settled
 
 
 def apply_top_k_top_p_sorted(

@@ -84,7 +84,7 @@ def test_rows_without_filters_come_back_whole() -> None:
 def test_peaked_nucleus_settles_among_candidates_and_flat_one_is_sorted() -> None:
     logits = distinct_logits(2, [50.0, 0.01], seed=1)
     vocab = torch.tensor([VOCAB, VOCAB])
-    _, settled = _among_candidates(logits, vocab, torch.tensor([0.9, 0.9]), CANDIDATES)
+    *_, settled = _among_candidates(logits, vocab, torch.tensor([0.9, 0.9]), CANDIDATES)
     assert settled.tolist() == [True, False]
     out = apply_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([0.9, 0.9]))
     assert 0 < out[0].isfinite().sum() < CANDIDATES  # peaked: a few tokens hold 90%
