@@ -24,7 +24,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or n < 4 * CHUNK or x.stride(-1) != 1:
         return x.argmax(dim=-1)
     whole = n // CHUNK * CHUNK
-    maxima = x[:, :whole].view(rows, -1, CHUNK).amax(dim=-1)  # [rows, n // CHUNK]
+    maxima = x[:, :whole].view(rows, whole // CHUNK, CHUNK).amax(dim=-1)  # [rows, n // CHUNK]
     if whole < n:
         maxima = torch.cat([maxima, x[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
     starts = maxima.argmax(dim=-1) * CHUNK  # [rows]: the first chunk holding the row's maximum

@@ -127,7 +127,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         return
     sub_rows = [rows[i] for i in penalized]
     device, vocab_size = logits.device, logits.shape[1]
-    # Each (row, token) as one key, row * vocab_size + token, rows numbered among `penalized`.
+    # Each (row, token) as one key, row * vocab_size + token, rows numbered among `penalized`
+    # (every id is below vocab_size: the ingress checks prompts, the model emits no other).
     output_keys, output_counts = _row_token_keys(
         [r.output_token_ids for r in sub_rows], vocab_size, device
     ).unique(return_counts=True)  # [num_output_keys]: sorted

@@ -55,7 +55,7 @@ def apply_top_k_top_p_(
         rows = pending.nonzero().squeeze(1)  # [num_pending]
         pending_logits = logits if len(rows) == len(logits) else logits[rows]
         if row_lse is None:
-            row_lse = _whole_row_lse(logits, k == vocab_size)
+            row_lse = _whole_row_lse(logits, pending & (k == vocab_size))
         values, token_ids, settled = _among_candidates(
             pending_logits, k[rows], top_p[rows], width, row_lse[rows]
         )
