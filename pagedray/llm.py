@@ -72,6 +72,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no parameters: the model's defaults from its
+        generation_config.json (`generation_config="auto"`, as vLLM's), else the neutral ones."""
+        return SamplingParams(**self.validator.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -89,7 +94,7 @@ class LLM:
         """
         prompt_list = as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

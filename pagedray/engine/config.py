@@ -210,6 +210,12 @@ class EngineConfig(BaseModel):
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
     )
+    generation_config: str = Field(
+        "auto",
+        description="defaults of the sampling parameters a request leaves unset: auto, from "
+        "the model's generation_config.json; vllm, none (temperature 1, no filters or "
+        "penalties); or a folder holding a generation_config.json",
+    )
 
     @field_validator("served_model_name", mode="before")
     @classmethod

@@ -63,9 +63,16 @@ class PromptValidator:
     """
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int, vocab_size: int, max_num_seqs: int
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        max_num_seqs: int,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The model's defaults of the sampling fields a request leaves unset (sampling_defaults.py).
+        self.sampling_defaults = sampling_defaults or {}
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs

@@ -35,7 +35,7 @@ def completion_prompts(
 ) -> tuple[SamplingParams, list[ValidatedPrompt], list[str] | None]:
     """Sampling parameters, each validated prompt, and with `echo` each prompt's text; a
     `max_tokens` that does not fit beside a prompt is refused (vLLM's 400), never clamped."""
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(validator.sampling_defaults)
     prompts = []
     for prompt in body.prompts():
         key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
@@ -53,7 +53,7 @@ def chat_prompt(
     validator: PromptValidator, body: ChatCompletionRequest
 ) -> tuple[SamplingParams, ValidatedPrompt]:
     """Sampling parameters and the conversation's validated prompt (content read as text)."""
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(validator.sampling_defaults)
     token_ids = chat_token_ids(validator, body)
     prompt = validator.validate(
         {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params

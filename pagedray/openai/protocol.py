@@ -7,6 +7,8 @@ so a bad request is answered with a 400 before anything reaches the engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -29,6 +31,9 @@ from pagedray.scheduler.sampling_params import (
     SamplingParams,
 )
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams
+
+# A request's own sampling fields and the neutral defaults: no model's generation config.
+NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -118,15 +123,23 @@ class _GenerationRequest(ConstraintFields):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         constraint: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, Any] = NO_DEFAULTS,
     ) -> SamplingParams:
-        """Raises `RequestRefused` naming the field on an out-of-range value."""
+        """Raises `RequestRefused` naming the field on an out-of-range value. A sampling field
+        the request leaves unset takes the model's default (`defaults`, from its
+        generation_config.json), else the neutral one."""
+
+        def given(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, neutral)
+
         return SamplingParams(
             structured_outputs=constraint,
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -135,9 +148,9 @@ class _GenerationRequest(ConstraintFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=given("presence_penalty", 0.0),
+            frequency_penalty=given("frequency_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0),
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_bias(self.logit_bias),
             prompt_logprobs=prompt_logprobs,
@@ -187,11 +200,11 @@ class CompletionRequest(_GenerationRequest):
             return [[]]  # refused later as an empty prompt
         return list(prompt)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] = NO_DEFAULTS) -> SamplingParams:
         # echo with logprobs: the prompt's tokens get logprobs too, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if self.echo else None
         return self._sampling_params(
-            self.max_tokens, self.logprobs, prompt_logprobs, self.constraint()
+            self.max_tokens, self.logprobs, prompt_logprobs, self.constraint(), defaults
         )
 
 
@@ -266,13 +279,13 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
             )
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] = NO_DEFAULTS) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         constraint, forced = self.constraint(), self.tool_constraint()
         if constraint is not None and forced is not None:
             raise refusal("tool_choice", "a forced tool call cannot take a response_format too")
-        return self._sampling_params(max_tokens, logprobs, None, forced or constraint)
+        return self._sampling_params(max_tokens, logprobs, None, forced or constraint, defaults)
 
 
 class TokenizeRequest(_ChatEndingFields):

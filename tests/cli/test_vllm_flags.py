@@ -49,6 +49,8 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--stream-interval", "4"], "stream_interval", 4),
     (["--served-model-name", "tiny"], "served_model_name", ["tiny"]),
     (["--served-model-name", "tiny", "tiny-alias"], "served_model_name", ["tiny", "tiny-alias"]),
+    (["--generation-config", "vllm"], "generation_config", "vllm"),
+    (["--generation-config", "/models/tuned"], "generation_config", "/models/tuned"),
     (["--tool-call-parser", "hermes"], "tool_call_parser", "hermes"),
     (["--tool-call-parser", "llama3_json"], "tool_call_parser", "llama3_json"),
     (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here
