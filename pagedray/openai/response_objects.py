@@ -174,7 +174,8 @@ def response_object(
         "previous_response_id": request.previous_response_id,
         "reasoning": None,
         "store": request.store,
-        # The sampler's defaults when the request gives none (see _GenerationRequest).
+        # The sampler's neutral defaults when neither the request nor the model gives one (the
+        # route fills in the model's, engine/sampling_defaults.py).
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "text": text or {"format": {"type": "text"}},
         "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),

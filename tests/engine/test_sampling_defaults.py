@@ -21,9 +21,8 @@ from pagedray.engine.sampling_defaults import sampling_defaults
 from pagedray.openai.local_app import local_openai_app
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
-# top_k 1 makes an unset temperature's draw greedy; top_k 50 and temperature 1.0 are at
-# transformers' defaults, so they are no defaults (vLLM reads the file's diff).
-TUNED = {"temperature": 0.8, "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0, "do_sample": True}
+# top_k 1 makes an unset temperature's draw greedy; do_sample is no field vLLM takes.
+TUNED = {"temperature": 0.8, "top_k": 1, "top_p": None, "do_sample": True}
 
 
 def _with_generation_config(source: str, folder: Path, written: dict[str, Any]) -> str:
@@ -37,16 +36,32 @@ def tuned(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return _with_generation_config(tiny_llama, tmp_path_factory.mktemp("tuned") / "m", TUNED)
 
 
-def test_the_file_read_as_transformers_diff_and_the_settings(tuned: str, tmp_path: Path) -> None:
+def test_the_file_and_the_settings(tuned: str, tmp_path: Path) -> None:
     assert sampling_defaults(EngineConfig(model=tuned)) == {"temperature": 0.8, "top_k": 1}
     assert sampling_defaults(EngineConfig(model=tuned, generation_config="vllm")) == {}
-    other = _with_generation_config(tuned, tmp_path / "other", {"top_p": 0.9, "min_p": 0.05})
-    named = EngineConfig(model=tuned, generation_config=other)
-    assert sampling_defaults(named) == {"top_p": 0.9, "min_p": 0.05}
-    bare = tmp_path / "bare"
-    shutil.copytree(tuned, bare)
-    (bare / "generation_config.json").unlink()
-    assert sampling_defaults(EngineConfig(model=str(bare))) == {}
+    written = {"top_p": 0.9, "min_p": 0.05, "top_k": 50, "repetition_penalty": 1.0}
+    other = _with_generation_config(tuned, tmp_path / "other", written)
+    assert sampling_defaults(EngineConfig(model=tuned, generation_config=other)) == written
+    missing = EngineConfig(model=tuned, generation_config=str(tmp_path / "nowhere"))
+    assert sampling_defaults(missing) == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{not json", {}),
+        ("[0.7]", {}),
+        # A value no request could carry is left out, not made every request's 400.
+        ('{"top_p": 0, "temperature": "0.7", "min_p": 0.1}', {"min_p": 0.1}),
+        ('{"top_k": 20.0, "repetition_penalty": 0}', {"top_k": 20}),
+    ],
+)
+def test_a_broken_file_gives_no_broken_defaults(
+    tuned: str, tmp_path: Path, text: str, expected: dict
+) -> None:
+    folder = _with_generation_config(tuned, tmp_path / "broken", {})
+    (Path(folder) / "generation_config.json").write_text(text)
+    assert sampling_defaults(EngineConfig(model=folder)) == expected
 
 
 def test_offline_generate_samples_with_the_models_defaults(tuned: str) -> None:
@@ -54,12 +69,10 @@ def test_offline_generate_samples_with_the_models_defaults(tuned: str) -> None:
     try:
         assert llm.get_default_sampling_params() == SamplingParams(temperature=0.8, top_k=1)
         prompts = [{"prompt_token_ids": PROMPT}]
-        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        default = llm.get_default_sampling_params()
-        default.max_tokens, default.ignore_eos = 8, True
-        tokens = [llm.generate(prompts, p, use_tqdm=False)[0].outputs[0].token_ids
-                  for p in (greedy, default)]  # fmt: skip
-        assert tokens[0] == tokens[1]  # top_k 1: whatever the temperature, the top token
+        greedy = llm.generate(prompts, SamplingParams(temperature=0.0), use_tqdm=False)
+        default = llm.generate(prompts, use_tqdm=False)  # no parameters: the model's
+        # top_k 1: whatever the temperature, the top token
+        assert default[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
     finally:
         llm.shutdown()
 
@@ -81,7 +94,7 @@ def test_served_requests_take_the_defaults_and_their_own_values_win(
         return answer.choices[0].text
 
     greedy = completion(temperature=0)
-    assert completion() == greedy  # the model's top_k 1
+    assert completion(seed=5) == greedy  # the model's top_k 1
     # The request's top_k (all tokens) wins; its temperature is the model's 0.8.
     own = completion(top_k=0, seed=7)
     llm = LLM(tuned, num_kv_blocks=64, max_num_seqs=4)
@@ -91,3 +104,13 @@ def test_served_requests_take_the_defaults_and_their_own_values_win(
     finally:
         llm.shutdown()
     assert own == offline[0].outputs[0].text
+
+
+def test_a_response_echoes_the_sampling_it_got(served: openai.OpenAI) -> None:
+    response = served.responses.create(model="x", input="Hello", max_output_tokens=4, store=False)
+    assert response.temperature == 0.8  # the model's
+    assert response.top_p == 1.0  # neither the request's nor the model's: the neutral one
+    own = served.responses.create(
+        model="x", input="Hello", max_output_tokens=4, store=False, temperature=0.3
+    )
+    assert own.temperature == 0.3

@@ -53,6 +53,10 @@ async def create_response(raw: Request, server: OpenAIServer = Depends(openai_se
     started = await server.start_chat(response_id, chat)
     if isinstance(started, Response):
         return in_responses_terms(started)
+    # The Response echoes the sampling the request got: the model's defaults where it set none.
+    defaults = server.validator.sampling_defaults
+    unset = {name: defaults[name] for name in ("temperature", "top_p") if name in defaults}
+    body = body.model_copy(update={k: v for k, v in unset.items() if getattr(body, k) is None})
     job = ResponseJob(response_id, body, chat_body, server.model_name)
     save = server.save if body.store else None
     if body.stream:
