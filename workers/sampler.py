@@ -134,7 +134,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     ).unique(return_counts=True)  # [num_output_keys]: sorted
     repetition = [r.params.repetition_penalty for r in sub_rows]
     keys = output_keys
-    if any(p != 1.0 for p in repetition):  # HF semantics: over prompt and output tokens
+    repeats = any(p != 1.0 for p in repetition)
+    if repeats:  # HF semantics: over prompt and output tokens
         prompt_keys = _row_token_keys([r.prompt_token_ids for r in sub_rows], vocab_size, device)
         keys = torch.cat([output_keys, prompt_keys]).unique()  # [num_keys]: sorted
     counts = torch.zeros(len(keys), dtype=logits.dtype, device=device)  # [num_keys]
@@ -142,7 +143,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     local_rows = keys // vocab_size  # [num_keys]
     index = (torch.tensor(penalized, device=device)[local_rows], keys % vocab_size)
     values = logits[index]  # [num_keys]
-    if keys is not output_keys:
+    if repeats:
         # Shrink positive logits, grow negative ones (a row at 1.0 divides by one: unchanged).
         penalty = torch.tensor(repetition, device=device)[local_rows]  # [num_keys]
         values = torch.where(values > 0, values / penalty, values * penalty)

@@ -68,12 +68,12 @@ def apply_top_k_top_p_(
     return logits
 
 
-def _whole_row_lse(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[num_rows]: the logsumexp of each row `rows` [num_rows] bool marks (the normaliser of a
+def _whole_row_lse(logits: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+    """[num_rows]: the logsumexp of each row `marked` [num_rows] bool marks (the normaliser of a
     row with top_p alone), NaN elsewhere."""
     lse = torch.full((len(logits),), float("nan"), device=logits.device)
-    if bool(rows.any()):
-        lse[rows] = (logits if bool(rows.all()) else logits[rows]).logsumexp(dim=-1)
+    if bool(marked.any()):
+        lse[marked] = (logits if bool(marked.all()) else logits[marked]).logsumexp(dim=-1)
     return lse
 
 

@@ -34,13 +34,13 @@ SAMPLING_FIELDS = (
     "top_p",
     "min_p",
 )
-NO_DEFAULTS = "vllm"  # vLLM's spelling: its own neutral defaults
+NEUTRAL = "vllm"  # the setting for none: vLLM's spelling of its own neutral defaults
 
 
 def sampling_defaults(config: EngineConfig) -> dict[str, Any]:
     """The model's defaults for the sampling fields a request leaves unset, by field name;
     empty with `generation_config="vllm"` or where there is no usable generation_config.json."""
-    if config.generation_config == NO_DEFAULTS:
+    if config.generation_config == NEUTRAL:
         return {}
     folder = Path(config.model if config.generation_config == "auto" else config.generation_config)
     path = folder / "generation_config.json"

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pagedray.engine.chat_tokens import ChatEnding
+from pagedray.engine.sampling_defaults import SAMPLING_FIELDS
 from pagedray.openai.constraints import (
     ConstraintFields,
     DeltaToolCall,
@@ -127,19 +128,13 @@ class _GenerationRequest(ConstraintFields):
     ) -> SamplingParams:
         """Raises `RequestRefused` naming the field on an out-of-range value. A sampling field
         the request leaves unset takes the model's default (`defaults`, from its
-        generation_config.json), else the neutral one."""
-
-        def given(name: str, neutral: Any) -> Any:
-            value = getattr(self, name)
-            return value if value is not None else defaults.get(name, neutral)
-
+        generation_config.json), else SamplingParams' neutral one."""
+        given = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        sampling = {**defaults, **{name: v for name, v in given.items() if v is not None}}
         return SamplingParams(
+            **sampling,
             structured_outputs=constraint,
             n=self.n,
-            temperature=given("temperature", 1.0),
-            top_p=given("top_p", 1.0),
-            top_k=given("top_k", 0),
-            min_p=given("min_p", 0.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -148,9 +143,6 @@ class _GenerationRequest(ConstraintFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            presence_penalty=given("presence_penalty", 0.0),
-            frequency_penalty=given("frequency_penalty", 0.0),
-            repetition_penalty=given("repetition_penalty", 1.0),
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_bias(self.logit_bias),
             prompt_logprobs=prompt_logprobs,
