@@ -19,7 +19,7 @@ import pytest
 from pagedray import LLM, SamplingParams
 from pagedray.cluster.pipe_dispatch import PipeDispatcher, PipeWorkerLoop, WorkerStepError
 from pagedray.cluster.placement import reserve_placement
-from pagedray.cluster.ray_executor import DISPATCHES, RayExecutor
+from pagedray.cluster.ray_executor import DISPATCHES, ActorCallDispatcher, RayExecutor
 from pagedray.scheduler.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from pagedray.tools.default_model import make_model
 from pagedray.workers.worker_config import WorkerConfig
@@ -165,6 +165,9 @@ def _fake_ranks(num_ranks: int) -> list:
         def ping(self) -> None:
             return None
 
+        def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:  # actor dispatch
+            return self.execute(plan)
+
         def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
             if f"fail-{self.rank}" in plan.finished_req_ids:
                 raise ValueError(f"rank {self.rank} told to fail")
@@ -200,6 +203,50 @@ def test_pipe_dispatch_big_replies_and_a_failing_rank_while_rank0_is_stuck(ray_c
         dispatcher.shutdown()
         dispatcher.shutdown()  # idempotent
         _kill(ranks)
+
+
+def test_actor_dispatch_raises_a_failing_rank_while_rank0_is_stuck(ray_cluster):
+    ranks = _fake_ranks(2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="rank 1 told to fail"):
+            ActorCallDispatcher(ranks).execute_model(_plan(0, {}, ["hang-0", "fail-1"]))
+        assert time.monotonic() - start < 30  # not rank 0's hour: ray.get raises the first error
+    finally:
+        _kill(ranks)
+
+
+def test_a_rank_failing_at_start_fails_its_executor_at_once(ray_cluster, tiny_llama, monkeypatch):
+    """Rank 1 raises while allocating its pool; rank 0 goes on into the collective where the
+    ranks agree on their thread reserve, where it would wait for gloo's 30 minutes. `ray.get`
+    of the ranks' results raises the first error without waiting for the others, so the
+    executor fails at once, and it leaves no rank, placement group or CPU behind."""
+    import ray
+
+    from pagedray.cluster import ray_executor
+    from pagedray.cluster.worker_actor import WorkerActor
+
+    class PoolFailsOnRank1(WorkerActor.__ray_actor_class__):  # type: ignore[name-defined]
+        def init_kv_cache(self, num_blocks: int) -> dict[str, str]:
+            if self._worker.rank == 1:
+                raise MemoryError("rank 1 could not allocate its KV pool")
+            return super().init_kv_cache(num_blocks)
+
+    monkeypatch.setattr(ray_executor, "WorkerActor", ray.remote(PoolFailsOnRank1))
+    before = _alive_actor_ids()
+    free_cpus = ray.available_resources().get("CPU")
+    config = WorkerConfig(tiny_llama, dtype="float32", tensor_parallel_size=2, num_kv_blocks=8)
+    start = time.monotonic()
+    with pytest.raises(MemoryError, match="rank 1 could not allocate"):
+        RayExecutor(config, dispatch="actor")
+    assert time.monotonic() - start < 120
+    deadline = time.monotonic() + 10
+    while (_alive_actor_ids() - before or ray.available_resources().get("CPU") != free_cpus) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert not _alive_actor_ids() - before
+    assert ray.available_resources().get("CPU") == free_cpus  # its placement group is gone
 
 
 def test_pipe_dispatch_reports_a_dead_rank_and_a_shutdown_mid_step(ray_cluster):
