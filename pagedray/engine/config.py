@@ -11,6 +11,7 @@ back here; the executor returns them and the scheduler is built with them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -216,6 +217,12 @@ class EngineConfig(BaseModel):
         "the model's generation_config.json; vllm, none (temperature 1, no filters or "
         "penalties); or a folder holding a generation_config.json",
     )
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="sampling defaults set over the generation config's, a JSON object such as "
+        '{"temperature": 0.5}; its max_new_tokens caps every request\'s max_tokens',
+        json_schema_extra=flags(json=True),
+    )
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -223,6 +230,19 @@ class EngineConfig(BaseModel):
         # Serve config files, the Helm chart and `build_app` give one name as a string.
         if isinstance(value, str):
             return [value] if value else None
+        return value
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        # vLLM's flag, and `serve run key=value`, give the object as JSON text.
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(
+                    f'must be a JSON object, as {{"temperature": 0.5}}, got {value!r}'
+                ) from None
         return value
 
     @field_validator("dtype", mode="before")

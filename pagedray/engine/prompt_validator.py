@@ -6,6 +6,7 @@ Shared by the offline `LLM` and the HTTP ingress, so both refuse the same prompt
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,10 +70,13 @@ class PromptValidator:
         vocab_size: int,
         max_num_seqs: int,
         sampling_defaults: dict[str, Any] | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        # The model's defaults of the sampling fields a request leaves unset (sampling_defaults.py).
+        # The model's defaults of the fields a request leaves unset, and the most tokens a
+        # served request may generate (sampling_defaults.py).
         self.sampling_defaults = sampling_defaults or {}
+        self.max_tokens_cap = max_tokens_cap
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
@@ -156,12 +160,28 @@ class PromptValidator:
                 "prompt_token_ids", f"{bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def check_max_tokens(
-        self, num_prompt_tokens: int, max_tokens: int | None, field: str = "max_tokens"
-    ) -> None:
-        """Refuse a `max_tokens` that cannot fit beside the prompt (scheduler/limits.py). Only
-        the HTTP ingress calls this: the offline `LLM` stops such a request at max_model_len."""
-        check_max_tokens(self.max_model_len, num_prompt_tokens, max_tokens, field)
+    def limit_output(
+        self, params: SamplingParams, num_prompt_tokens: int, field: str = "max_tokens"
+    ) -> SamplingParams:
+        """The parameters a served prompt runs with, as vLLM's server limits its output.
+
+        A `max_tokens` the client set must fit beside the prompt, or is refused (vLLM's 400,
+        scheduler/limits.py); one it left unset (None) takes the model's default
+        (generation_config's `max_new_tokens`); either is held to `max_tokens_cap`. A default
+        or a cap past the room left in the context is that room (None: up to max_model_len),
+        as vLLM clamps them. Only the HTTP ingress calls this: the offline `LLM` stops a
+        request at max_model_len.
+        """
+        check_max_tokens(self.max_model_len, num_prompt_tokens, params.max_tokens, field)
+        wanted = params.max_tokens
+        if wanted is None:
+            wanted = self.sampling_defaults.get("max_tokens")
+        limit = min((n for n in (wanted, self.max_tokens_cap) if n is not None), default=None)
+        if limit is not None and num_prompt_tokens + limit > self.max_model_len:
+            limit = None  # only a default or a cap gets here: the client's fits
+        if limit == params.max_tokens:
+            return params
+        return dataclasses.replace(params, max_tokens=limit)
 
     def chat_prompt_token_ids(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.prompt_validator import PromptValidator
-from pagedray.engine.sampling_defaults import sampling_defaults
+from pagedray.engine.sampling_defaults import max_tokens_cap, sampling_defaults
 from pagedray.workers.model_config import ModelConfig
 
 # The tokenizer classes a checkpoint may name that are the generic `tokenizers` backend.
@@ -64,10 +64,12 @@ def load_tokenizer(config: EngineConfig) -> Any:
 
 def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> PromptValidator:
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
+    defaults = sampling_defaults(config)
     return PromptValidator(
         tokenizer,
         max_model_len,
         model_config.vocab_size,
         config.max_num_seqs,
-        sampling_defaults(config),
+        defaults,
+        max_tokens_cap(config, defaults),
     )

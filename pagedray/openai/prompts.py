@@ -32,21 +32,22 @@ def decode_body(raw: bytes, model: type[RequestT]) -> RequestT:
 
 def completion_prompts(
     validator: PromptValidator, body: CompletionRequest
-) -> tuple[SamplingParams, list[ValidatedPrompt], list[str] | None]:
-    """Sampling parameters, each validated prompt, and with `echo` each prompt's text; a
-    `max_tokens` that does not fit beside a prompt is refused (vLLM's 400), never clamped."""
+) -> tuple[list[SamplingParams], list[ValidatedPrompt], list[str] | None]:
+    """Each validated prompt with its sampling parameters, and with `echo` each prompt's text;
+    a `max_tokens` that does not fit beside a prompt is refused (vLLM's 400), never clamped
+    (`PromptValidator.limit_output`)."""
     params = body.to_sampling_params(validator.sampling_defaults)
-    prompts = []
+    prompts, prompt_params = [], []
     for prompt in body.prompts():
         key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
         validated = validator.validate({key: prompt, "cache_salt": body.cache_salt}, params)
-        validator.check_max_tokens(len(validated.token_ids), params.max_tokens)
+        prompt_params.append(validator.limit_output(params, len(validated.token_ids)))
         prompts.append(validated)
     echo = None
     if body.echo:
         decode = validator.tokenizer.decode
         echo = [p.text if p.text is not None else decode(p.token_ids) for p in prompts]
-    return params, prompts, echo
+    return prompt_params, prompts, echo
 
 
 def chat_prompt(
@@ -60,8 +61,7 @@ def chat_prompt(
     )
     # The field the client set is the one to blame (max_completion_tokens wins when both are).
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    validator.check_max_tokens(len(prompt.token_ids), params.max_tokens, field)
-    return params, prompt
+    return validator.limit_output(params, len(prompt.token_ids), field), prompt
 
 
 def chat_token_ids(validator: PromptValidator, body: ChatCompletionRequest) -> list[int]:

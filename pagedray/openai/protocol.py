@@ -130,7 +130,8 @@ class _GenerationRequest(ConstraintFields):
         the request leaves unset takes the model's default (`defaults`, from its
         generation_config.json), else SamplingParams' neutral one."""
         given = {name: getattr(self, name) for name in SAMPLING_FIELDS}
-        sampling = {**defaults, **{name: v for name, v in given.items() if v is not None}}
+        sampling = {name: defaults[name] for name in SAMPLING_FIELDS if name in defaults}
+        sampling.update({name: v for name, v in given.items() if v is not None})
         return SamplingParams(
             **sampling,
             structured_outputs=constraint,

@@ -156,28 +156,29 @@ class OpenAIServer:
                 self.tokenizer.chat_template,
             ),
         )
-        streams = await self.open(ctx.request_id, [prompt], params, body.priority, body.stream)
+        streams = await self.open(ctx.request_id, [prompt], [params], body.priority, body.stream)
         return streams if isinstance(streams, Response) else (ctx, streams)
 
     async def open(
         self,
         request_id: str,
         prompts: list[ValidatedPrompt],
-        params: SamplingParams,
+        params: list[SamplingParams],
         priority: int,
         stream: bool,
     ) -> EngineStreams | Response:
-        """Submit one engine request per prompt; an error response if any is refused."""
+        """Submit one engine request per prompt, each with its parameters (`params`, in the
+        prompts' order); an error response if any is refused."""
         requests = [
             GenerateRequest(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 prompt.token_ids,
-                params,
+                prompt_params,
                 priority,
                 prompt.cache_salt,
-                self._stream_interval(stream, params),
+                self._stream_interval(stream, prompt_params),
             )
-            for i, prompt in enumerate(prompts)
+            for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
         streams = EngineStreams(self.client, requests, self.tokenizer)
         failure = await streams.open()

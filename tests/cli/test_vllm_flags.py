@@ -51,6 +51,11 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--served-model-name", "tiny", "tiny-alias"], "served_model_name", ["tiny", "tiny-alias"]),
     (["--generation-config", "vllm"], "generation_config", "vllm"),
     (["--generation-config", "/models/tuned"], "generation_config", "/models/tuned"),
+    (
+        ["--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'],
+        "override_generation_config",
+        {"temperature": 0.5, "max_new_tokens": 64},
+    ),
     (["--tool-call-parser", "hermes"], "tool_call_parser", "hermes"),
     (["--tool-call-parser", "llama3_json"], "tool_call_parser", "llama3_json"),
     (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here

@@ -288,10 +288,12 @@ def test_offline_chat_reads_content_as_text(llm: LLM) -> None:
 
 
 def test_max_tokens_that_cannot_fit_is_refused_in_vllms_words(validator: PromptValidator) -> None:
-    validator.check_max_tokens(60, 4)  # 64 = max_model_len: fits exactly
-    validator.check_max_tokens(60, None)  # unset: up to max_model_len
+    fits = SamplingParams(max_tokens=4)
+    assert validator.limit_output(fits, 60) is fits  # 64 = max_model_len: fits exactly
+    unset = SamplingParams(max_tokens=None)
+    assert validator.limit_output(unset, 60) is unset  # up to max_model_len
     with pytest.raises(RequestRefused) as refused:
-        validator.check_max_tokens(3, 5000, "max_completion_tokens")
+        validator.limit_output(SamplingParams(max_tokens=5000), 3, "max_completion_tokens")
     assert str(refused.value) == (
         "'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's maximum "
         "context length is 64 tokens and your request has 3 input tokens (5000 > 64 - 3)."
@@ -303,6 +305,24 @@ def test_max_tokens_that_cannot_fit_is_refused_in_vllms_words(validator: PromptV
     # validate() alone does not check it: the offline LLM shares it and keeps generating to
     # max_model_len.
     assert validator.validate("hello", SamplingParams(max_tokens=5000)).token_ids
+
+
+@pytest.mark.parametrize(
+    ("asked", "num_prompt_tokens", "expected"),
+    [
+        (None, 10, 20),  # unset: the model's default
+        (30, 10, 25),  # the client's, held to the cap
+        (8, 10, 8),
+        (None, 50, None),  # the default past the room (14): the room, not a refusal
+        (12, 50, 12),
+    ],
+)
+def test_the_default_and_the_cap_of_max_tokens(
+    tokenizer: Any, asked: int | None, num_prompt_tokens: int, expected: int | None
+) -> None:
+    validator = PromptValidator(tokenizer, 64, 504, 4, {"max_tokens": 20}, max_tokens_cap=25)
+    params = validator.limit_output(SamplingParams(max_tokens=asked, top_k=3), num_prompt_tokens)
+    assert (params.max_tokens, params.top_k) == (expected, 3)
 
 
 def test_the_scheduler_refuses_max_tokens_only_when_asked() -> None:

@@ -1,8 +1,9 @@
 """The model's generation_config.json gives the defaults of the sampling fields a request leaves
 unset (pagedray/engine/sampling_defaults.py), as vLLM's `--generation-config auto` does: read
-as transformers' diff of it, off with "vllm", from another folder when named; a request's own
-values win. Offline through `LLM` and served through the OpenAI server over HTTP (the official
-SDK), token-exact with the offline API."""
+as transformers' diff of it, off with "vllm", from another folder when named, with
+`--override-generation-config` over it; a request's own values win. Its `max_new_tokens` is the
+default `max_tokens`, and a cap where vLLM makes it one. Offline through `LLM` and served
+through the OpenAI server over HTTP (the official SDK), token-exact with the offline API."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from pagedray import LLM, SamplingParams
 from pagedray.engine.config import EngineConfig
-from pagedray.engine.sampling_defaults import sampling_defaults
+from pagedray.engine.sampling_defaults import max_tokens_cap, sampling_defaults
 from pagedray.openai.local_app import local_openai_app
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
@@ -114,3 +115,95 @@ def test_a_response_echoes_the_sampling_it_got(served: openai.OpenAI) -> None:
         model="x", input="Hello", max_output_tokens=4, store=False, temperature=0.3
     )
     assert own.temperature == 0.3
+
+
+# ---- --override-generation-config and max_new_tokens ----------------------------------------
+
+
+def _defaults_and_cap(**settings: Any) -> tuple[dict[str, Any], int | None]:
+    config = EngineConfig(**settings)
+    defaults = sampling_defaults(config)
+    return defaults, max_tokens_cap(config, defaults)
+
+
+def test_the_override_and_the_output_limit(tuned: str, tmp_path: Path) -> None:
+    override = '{"temperature": 0.5, "max_new_tokens": 6}'  # as the flag gives it
+    assert _defaults_and_cap(model=tuned, override_generation_config=override) == (
+        {"temperature": 0.5, "top_k": 1, "max_tokens": 6},
+        6,  # the override's max_new_tokens caps every request (vLLM's override_max_tokens)
+    )
+    # "vllm": the override alone.
+    assert _defaults_and_cap(
+        model=tuned, generation_config="vllm", override_generation_config={"top_p": 0.9}
+    ) == ({"top_p": 0.9}, None)
+    limited = _with_generation_config(tuned, tmp_path / "limited", {"max_new_tokens": 5.0})
+    # The model's own file: a default, not a cap; a folder named by the setting: both.
+    assert _defaults_and_cap(model=limited) == ({"max_tokens": 5}, None)
+    assert _defaults_and_cap(model=tuned, generation_config=limited) == ({"max_tokens": 5}, 5)
+    # A limit no request could carry is left out, and caps nothing.
+    broken = {"max_new_tokens": 0}
+    assert _defaults_and_cap(model=limited, override_generation_config=broken) == ({}, None)
+    with pytest.raises(ValueError, match="override_generation_config"):
+        EngineConfig(model=tuned, override_generation_config="{temperature: 0.5}")
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("limited") / "m"
+    return _with_generation_config(tiny_llama, folder, {"max_new_tokens": 5})
+
+
+def _served(config: EngineConfig) -> Iterator[openai.OpenAI]:
+    with TestClient(local_openai_app(config)) as http:  # its lifespan stops the engine
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+
+
+@pytest.fixture(scope="module")
+def served_limited(limited: str) -> Iterator[openai.OpenAI]:
+    config = EngineConfig(
+        model=limited, num_kv_blocks=64, max_num_seqs=8, max_model_len=40, served_model_name=["x"]
+    )
+    yield from _served(config)
+
+
+def _chat_tokens(client: openai.OpenAI, **fields: Any) -> tuple[int, str]:
+    answer = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Hello"}],
+        extra_body={"ignore_eos": True},
+        **fields,
+    )
+    assert answer.usage is not None
+    return answer.usage.completion_tokens, answer.choices[0].finish_reason
+
+
+def test_served_max_new_tokens_is_the_default_max_tokens(served_limited: openai.OpenAI) -> None:
+    assert _chat_tokens(served_limited) == (5, "length")  # the model's default
+    assert _chat_tokens(served_limited, max_tokens=8) == (8, "length")  # the request's
+    # A default past the room left in the context is that room, as vLLM clamps it; the
+    # same number of tokens asked for by the client is refused (vLLM's 400).
+    long = [5] * 37  # 37 of max_model_len 40: room for 3
+    answer = served_limited.completions.create(
+        model="x", prompt=long, max_tokens=None, extra_body={"ignore_eos": True}
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="too large: 5"):
+        served_limited.completions.create(model="x", prompt=long, max_tokens=5)
+
+
+def test_served_override_caps_every_request(limited: str) -> None:
+    config = EngineConfig(
+        model=limited,
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        served_model_name=["x"],
+        override_generation_config='{"max_new_tokens": 3}',
+    )
+    for client in _served(config):
+        assert _chat_tokens(client) == (3, "length")
+        assert _chat_tokens(client, max_tokens=8) == (3, "length")  # capped
+        assert _chat_tokens(client, max_tokens=2) == (2, "length")
+        answer = client.completions.create(
+            model="x", prompt=["a", "b"], max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 2 * 3
