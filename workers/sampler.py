@@ -226,11 +226,15 @@ class Sampler:
         samples: list[list[int] | None] = [None for _ in rows]
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            greedy_logits = logits.index_select(0, index)  # [num_greedy, vocab_size]
-            argmax = row_argmax(greedy_logits).tolist()  # [num_greedy]
-            valid = (~greedy_logits.isnan().any(dim=-1)).tolist()  # [num_greedy]
-            for i, token_id, ok in zip(greedy, argmax, valid):
+            greedy_logits = logits  # [num_greedy, vocab_size]
+            if len(greedy) < len(rows):
+                index = torch.tensor(greedy, device=logits.device)
+                greedy_logits = logits.index_select(0, index)
+            argmax = row_argmax(greedy_logits)  # [num_greedy]
+            # A row holding a NaN has its first NaN as its argmax: its pick tells.
+            picked = greedy_logits.gather(1, argmax.unsqueeze(1)).squeeze(1)  # [num_greedy]
+            valid = (~picked.isnan()).tolist()
+            for i, token_id, ok in zip(greedy, argmax.tolist(), valid):
                 samples[i] = [token_id] * rows[i].num_samples if ok else None
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random:

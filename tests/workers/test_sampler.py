@@ -360,6 +360,23 @@ def test_row_that_raises_fails_alone_with_logprobs_of_the_others() -> None:
     assert out[1].logprobs is not None and len(out[1].logprobs[0][0]) == 3
 
 
+@pytest.mark.parametrize("with_random_row", [False, True])
+def test_a_greedy_row_with_a_nan_fails_alone(with_random_row: bool) -> None:
+    """Greedy rows past the plain path (here a penalty), alone or beside a random row: the one
+    whose logits hold a NaN fails, the others take their penalised argmax."""
+    logits = random_logits(3)
+    logits[1, 7] = float("nan")
+    rows = [row(temperature=0.0, repetition_penalty=1.2) for _ in range(3)]
+    if with_random_row:
+        rows[2] = row(seed=3, temperature=0.7)
+    out = make_sampler()(logits, rows)
+    assert out[1].token_ids == [] and out[1].error is not None
+    assert out[1].error.kind is FailureKind.INVALID
+    alone = make_sampler()(logits[0:1], [rows[0]])[0]
+    assert out[0].error is None and out[0].token_ids == alone.token_ids
+    assert out[2].error is None and len(out[2].token_ids) == 1
+
+
 def test_all_rows_banned_is_non_finite_not_a_crash() -> None:
     logits = torch.full((1, VOCAB), float("-inf"))
     out = make_sampler()(logits, [row(seed=1, temperature=1.0)])
