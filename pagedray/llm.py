@@ -74,7 +74,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no parameters: the model's defaults from its
-        generation_config.json (`generation_config="auto"`, as vLLM's), else the neutral ones."""
+        generation_config.json (`generation_config="auto"`, as vLLM's; its `max_new_tokens` as
+        `max_tokens`) and `override_generation_config` over them, else the neutral ones."""
         return SamplingParams(**self.validator.sampling_defaults)
 
     def generate(

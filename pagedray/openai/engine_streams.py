@@ -31,6 +31,7 @@ class EngineStreams:
 
     def __init__(self, client: EngineClient, requests: list[GenerateRequest], tokenizer: Any):
         self.request_ids = [request.request_id for request in requests]
+        self.params = [request.sampling_params for request in requests]  # as the engine runs them
         self.texts = [
             RequestText(tokenizer, request.prompt_token_ids, request.sampling_params)
             for request in requests

@@ -207,11 +207,20 @@ def test_pipe_dispatch_big_replies_and_a_failing_rank_while_rank0_is_stuck(ray_c
 
 def test_actor_dispatch_raises_a_failing_rank_while_rank0_is_stuck(ray_cluster):
     ranks = _fake_ranks(2)
-    try:
-        start = time.monotonic()
-        with pytest.raises(ValueError, match="rank 1 told to fail"):
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
             ActorCallDispatcher(ranks).execute_model(_plan(0, {}, ["hang-0", "fail-1"]))
-        assert time.monotonic() - start < 30  # not rank 0's hour: ray.get raises the first error
+        except BaseException as error:
+            errors.append(error)
+
+    try:
+        thread = threading.Thread(target=step, daemon=True)  # a hang fails the test, not CI
+        thread.start()
+        thread.join(timeout=30)  # not rank 0's hour: ray.get raises the first error
+        assert not thread.is_alive()
+        assert isinstance(errors[0], ValueError) and "rank 1 told to fail" in str(errors[0])
     finally:
         _kill(ranks)
 
@@ -234,19 +243,19 @@ def test_a_rank_failing_at_start_fails_its_executor_at_once(ray_cluster, tiny_ll
 
     monkeypatch.setattr(ray_executor, "WorkerActor", ray.remote(PoolFailsOnRank1))
     before = _alive_actor_ids()
-    free_cpus = ray.available_resources().get("CPU")
+    free_cpus = ray.available_resources().get("CPU", 0)
     config = WorkerConfig(tiny_llama, dtype="float32", tensor_parallel_size=2, num_kv_blocks=8)
     start = time.monotonic()
     with pytest.raises(MemoryError, match="rank 1 could not allocate"):
         RayExecutor(config, dispatch="actor")
     assert time.monotonic() - start < 120
     deadline = time.monotonic() + 10
-    while (_alive_actor_ids() - before or ray.available_resources().get("CPU") != free_cpus) and (
+    while (_alive_actor_ids() - before or ray.available_resources().get("CPU", 0) < free_cpus) and (
         time.monotonic() < deadline
     ):
         time.sleep(0.1)
     assert not _alive_actor_ids() - before
-    assert ray.available_resources().get("CPU") == free_cpus  # its placement group is gone
+    assert ray.available_resources().get("CPU", 0) >= free_cpus  # its placement group is gone
 
 
 def test_pipe_dispatch_reports_a_dead_rank_and_a_shutdown_mid_step(ray_cluster):

@@ -325,6 +325,15 @@ def test_the_default_and_the_cap_of_max_tokens(
     assert (params.max_tokens, params.top_k) == (expected, 3)
 
 
+def test_a_cap_below_the_default_and_a_cap_alone(tokenizer: Any) -> None:
+    under = PromptValidator(tokenizer, 64, 504, 4, {"max_tokens": 20}, max_tokens_cap=6)
+    assert under.limit_output(SamplingParams(max_tokens=None), 10).max_tokens == 6
+    alone = PromptValidator(tokenizer, 64, 504, 4, max_tokens_cap=30)
+    assert alone.limit_output(SamplingParams(max_tokens=None), 10).max_tokens == 30
+    # Past the room (14): the room, not a refusal.
+    assert alone.limit_output(SamplingParams(max_tokens=None), 50).max_tokens is None
+
+
 def test_the_scheduler_refuses_max_tokens_only_when_asked() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=64), num_kv_blocks=16)
     scheduler.check_limits(60, n=1, max_tokens=4)

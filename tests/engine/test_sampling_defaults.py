@@ -7,6 +7,7 @@ through the OpenAI server over HTTP (the official SDK), token-exact with the off
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -153,6 +154,7 @@ def limited(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return _with_generation_config(tiny_llama, folder, {"max_new_tokens": 5})
 
 
+@contextlib.contextmanager
 def _served(config: EngineConfig) -> Iterator[openai.OpenAI]:
     with TestClient(local_openai_app(config)) as http:  # its lifespan stops the engine
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
@@ -163,7 +165,16 @@ def served_limited(limited: str) -> Iterator[openai.OpenAI]:
     config = EngineConfig(
         model=limited, num_kv_blocks=64, max_num_seqs=8, max_model_len=40, served_model_name=["x"]
     )
-    yield from _served(config)
+    with _served(config) as client:
+        yield client
+
+
+def test_offline_default_max_tokens(limited: str) -> None:
+    llm = LLM(limited, num_kv_blocks=64, max_num_seqs=4)
+    try:
+        assert llm.get_default_sampling_params() == SamplingParams(max_tokens=5)
+    finally:
+        llm.shutdown()
 
 
 def _chat_tokens(client: openai.OpenAI, **fields: Any) -> tuple[int, str]:
@@ -199,7 +210,7 @@ def test_served_override_caps_every_request(limited: str) -> None:
         served_model_name=["x"],
         override_generation_config='{"max_new_tokens": 3}',
     )
-    for client in _served(config):
+    with _served(config) as client:
         assert _chat_tokens(client) == (3, "length")
         assert _chat_tokens(client, max_tokens=8) == (3, "length")  # capped
         assert _chat_tokens(client, max_tokens=2) == (2, "length")
@@ -207,3 +218,15 @@ def test_served_override_caps_every_request(limited: str) -> None:
             model="x", prompt=["a", "b"], max_tokens=8, extra_body={"ignore_eos": True}
         )
         assert answer.usage is not None and answer.usage.completion_tokens == 2 * 3
+        # A Response echoes the limit it ran with, as vLLM's: the cap, or the default.
+        for asked in (8, None):
+            response = client.responses.create(
+                model="x", input="Hello", max_output_tokens=asked, store=False
+            )
+            assert response.max_output_tokens == 3
+
+
+def test_a_response_without_a_limit_echoes_the_room_left(served_limited: openai.OpenAI) -> None:
+    response = served_limited.responses.create(model="x", input="Hello", store=False)
+    assert response.max_output_tokens == 5  # the model's default
+    assert response.usage is not None and response.usage.output_tokens <= 5

@@ -53,10 +53,17 @@ async def create_response(raw: Request, server: OpenAIServer = Depends(openai_se
     started = await server.start_chat(response_id, chat)
     if isinstance(started, Response):
         return in_responses_terms(started)
-    # The Response echoes the sampling the request got: the model's defaults where it set none.
+    # The Response echoes the sampling the request got: the model's defaults where it set none,
+    # and the output limit it ran with (a default, a cap, or the room left in the context), as
+    # vLLM's does.
     defaults = server.validator.sampling_defaults
     unset = {name: defaults[name] for name in ("temperature", "top_p") if name in defaults}
-    body = body.model_copy(update={k: v for k, v in unset.items() if getattr(body, k) is None})
+    update: dict[str, Any] = {k: v for k, v in unset.items() if getattr(body, k) is None}
+    ctx, streams = started
+    limit = streams.params[0].max_tokens
+    room = server.validator.max_model_len - ctx.num_prompt_tokens
+    update["max_output_tokens"] = limit if limit is not None else room
+    body = body.model_copy(update=update)
     job = ResponseJob(response_id, body, chat_body, server.model_name)
     save = server.save if body.store else None
     if body.stream:
