@@ -86,6 +86,11 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = Field(
         None, description="the tokenizer's directory (default: the model's)"
     )
+    chat_template: str | None = Field(
+        None,
+        description="the chat template of chat requests: a Jinja file, or the template itself "
+        "(default: the tokenizer's)",
+    )
     served_model_name: list[str] | None = Field(
         None,
         min_length=1,
@@ -231,6 +236,20 @@ class EngineConfig(BaseModel):
         if isinstance(value, str):
             return [value] if value else None
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        # Read where the settings are made (the CLI, build_app), so the text travels with them
+        # to every replica, whichever node it runs on; vLLM's rule tells a path from a template.
+        if value is None or not value:
+            return None
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        if any(char in value for char in "{}\n"):
+            return value
+        raise ValueError(f"{value!r} looks like a path, but no such file exists")
 
     @field_validator("override_generation_config", mode="before")
     @classmethod

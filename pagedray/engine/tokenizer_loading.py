@@ -50,7 +50,14 @@ def loads_generic_tokenizer(path: str | Path) -> bool:
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
-    path = config.tokenizer or config.model
+    """The model's tokenizer, with `config.chat_template` in place of its own where set."""
+    tokenizer = _tokenizer(config.tokenizer or config.model)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer
+
+
+def _tokenizer(path: str) -> Any:
     if loads_generic_tokenizer(path):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

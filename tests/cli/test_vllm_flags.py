@@ -56,6 +56,7 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
         "override_generation_config",
         {"temperature": 0.5, "max_new_tokens": 64},
     ),
+    (["--chat-template", "{{ messages }}"], "chat_template", "{{ messages }}"),
     (["--tool-call-parser", "hermes"], "tool_call_parser", "hermes"),
     (["--tool-call-parser", "llama3_json"], "tool_call_parser", "llama3_json"),
     (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here
