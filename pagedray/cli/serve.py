@@ -48,11 +48,13 @@ def add_serve_parser(commands: Any) -> None:
     parser = commands.add_parser("serve", help="serve the OpenAI API over HTTP with Ray Serve")
     # The application's settings: one flag per field of its schema (vLLM's names and values).
     add_config_flags(parser, ServerConfig)
-    parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accepted for vLLM command lines: tool_choice=auto is always on here",
-    )
+    # Accepted for vLLM command lines, each what pagedray always does.
+    for flag, always in (
+        ("--enable-auto-tool-choice", "tool_choice=auto is always on"),
+        ("--enable-chunked-prefill", "prompts are always prefilled in chunks"),
+        ("--enforce-eager", "the model always runs eagerly (no CUDA graphs)"),
+    ):
+        parser.add_argument(flag, action="store_true", help=f"accepted for vLLM: {always} here")
     parser.add_argument("--host", default="127.0.0.1", help="the API's address")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(

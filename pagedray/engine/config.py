@@ -86,6 +86,11 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = Field(
         None, description="the tokenizer's directory (default: the model's)"
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="let the tokenizer run code the checkpoint ships (an auto_map in its "
+        "tokenizer_config.json), as vLLM's; the model runs none either way",
+    )
     chat_template: str | None = Field(
         None,
         description="the chat template of chat requests: a Jinja file, or the template itself "

@@ -51,13 +51,13 @@ def loads_generic_tokenizer(path: str | Path) -> bool:
 
 def load_tokenizer(config: EngineConfig) -> Any:
     """The model's tokenizer, with `config.chat_template` in place of its own where set."""
-    tokenizer = _tokenizer(config.tokenizer or config.model)
+    tokenizer = _tokenizer(config.tokenizer or config.model, config.trust_remote_code)
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     return tokenizer
 
 
-def _tokenizer(path: str) -> Any:
+def _tokenizer(path: str, trust_remote_code: bool) -> Any:
     if loads_generic_tokenizer(path):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -66,7 +66,7 @@ def _tokenizer(path: str) -> Any:
     # replica (no tokenizer until a structured request) does not pay at start.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> PromptValidator:

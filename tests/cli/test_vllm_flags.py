@@ -60,6 +60,10 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--tool-call-parser", "hermes"], "tool_call_parser", "hermes"),
     (["--tool-call-parser", "llama3_json"], "tool_call_parser", "llama3_json"),
     (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here
+    (["--enable-chunked-prefill"], "enable_chunked_prefill", ABSENT),  # always on here
+    (["--enforce-eager"], "enforce_eager", ABSENT),  # always eager here
+    (["--trust-remote-code"], "trust_remote_code", True),
+    (["--no-trust-remote-code"], "trust_remote_code", False),
     (["--api-key", "sk-1"], "api_key", "sk-1"),
     (["--allowed-origins", '["https://app.example"]'], "allowed_origins", ["https://app.example"]),
     (["--allowed-methods", '["GET", "POST"]'], "allowed_methods", ["GET", "POST"]),

@@ -99,3 +99,34 @@ def test_the_ingress_tokenizer_and_limits_load_without_torch(tiny_llama: str) ->
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+CUSTOM_TOKENIZER = '''
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+
+class CheckpointTokenizer(TokenizersBackend):
+    """A tokenizer class the checkpoint ships, as some do (auto_map)."""
+'''
+
+
+def test_a_checkpoints_own_tokenizer_code_runs_only_when_trusted(
+    tiny_llama: str, tmp_path: Path
+) -> None:
+    """vLLM's `--trust-remote-code`: off, a tokenizer_config.json's auto_map is not run (its
+    tokenizer_class serves); on, the checkpoint's class is the tokenizer."""
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "checkpoint_tokenizer.py").write_text(CUSTOM_TOKENIZER)
+    config_path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["auto_map"] = {
+        "AutoTokenizer": [None, "checkpoint_tokenizer.CheckpointTokenizer"]
+    }
+    config_path.write_text(json.dumps(tokenizer_config))
+    assert not loads_generic_tokenizer(str(folder))
+    untrusted = load_tokenizer(EngineConfig(model=str(folder)))
+    assert type(untrusted).__name__ == tokenizer_config["tokenizer_class"]
+    trusted = load_tokenizer(EngineConfig(model=str(folder), trust_remote_code=True))
+    assert type(trusted).__name__ == "CheckpointTokenizer"
+    assert trusted.encode("hello") == AutoTokenizer.from_pretrained(tiny_llama).encode("hello")
