@@ -27,7 +27,12 @@ _SECRETS = {"api_key", "api_key_file", "api_key_sha256"}
 class ServerConfig(EngineConfig):
     """An engine's settings, and how the application around its replicas serves them."""
 
-    num_replicas: int = Field(1, ge=1, description="engines (each a tensor-parallel group)")
+    num_replicas: int = Field(
+        1,
+        ge=1,
+        description="engines (each a tensor-parallel group; vLLM's data parallel size)",
+        json_schema_extra=flags("--num-replicas", "--data-parallel-size", "-dp"),
+    )
     min_replicas: int | None = Field(
         None, ge=0, description="autoscale the engines on their load, from this many"
     )

@@ -62,6 +62,9 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here
     (["--enable-chunked-prefill"], "enable_chunked_prefill", ABSENT),  # always on here
     (["--enforce-eager"], "enforce_eager", ABSENT),  # always eager here
+    (["--disable-log-requests"], "disable_log_requests", ABSENT),  # never logged here
+    (["--data-parallel-size", "2"], "num_replicas", 2),
+    (["-dp", "3"], "num_replicas", 3),
     (["--trust-remote-code"], "trust_remote_code", True),
     (["--no-trust-remote-code"], "trust_remote_code", False),
     (["--api-key", "sk-1"], "api_key", "sk-1"),
