@@ -88,8 +88,8 @@ class EngineConfig(BaseModel):
     )
     trust_remote_code: bool = Field(
         False,
-        description="let the tokenizer run code the checkpoint ships (an auto_map in its "
-        "tokenizer_config.json), as vLLM's; the model runs none either way",
+        description="let the tokenizer (and its config class) run code the checkpoint ships "
+        "(an auto_map), as vLLM's; the model runs none either way",
     )
     chat_template: str | None = Field(
         None,
@@ -245,16 +245,20 @@ class EngineConfig(BaseModel):
     @field_validator("chat_template")
     @classmethod
     def _template_text(cls, value: str | None) -> str | None:
-        # Read where the settings are made (the CLI, build_app), so the text travels with them
-        # to every replica, whichever node it runs on; vLLM's rule tells a path from a template.
-        if value is None or not value:
+        # A file is read where the settings are made (the CLI, build_app), so its text travels
+        # with them to every replica, on any node. Text holding a Jinja character ({, } or a
+        # newline) is a template: vLLM's rule, and what keeps the text itself a template when a
+        # replica validates the settings again (it is never taken for a file name there).
+        if value is None or value in ("", "None"):
             return None
-        path = Path(value).expanduser()
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
         if any(char in value for char in "{}\n"):
             return value
-        raise ValueError(f"{value!r} looks like a path, but no such file exists")
+        path = Path(value).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            message = f"{value!r} looks like a path, but it cannot be read: {error}"
+            raise ValueError(message) from None
 
     @field_validator("override_generation_config", mode="before")
     @classmethod

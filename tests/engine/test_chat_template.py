@@ -25,8 +25,16 @@ MESSAGES = [{"role": "user", "content": "Hello"}]
 def test_a_file_or_the_template_itself(tmp_path: Path) -> None:
     path = tmp_path / "template.jinja"
     path.write_text(TEMPLATE)
-    assert EngineConfig(model="m", chat_template=str(path)).chat_template == TEMPLATE
+    config = EngineConfig(model="m", chat_template=str(path))
+    assert config.chat_template == TEMPLATE
     assert EngineConfig(model="m", chat_template=TEMPLATE).chat_template == TEMPLATE
+    # Each replica validates the settings again: the text stays the text, however long (a
+    # real template's first line is no file name: over 255 bytes, stat() fails otherwise).
+    long = "{# " + "x" * 5000 + " #}/" + TEMPLATE
+    again = EngineConfig(**EngineConfig(model="m", chat_template=long).model_dump())
+    assert again.chat_template == long
+    assert EngineConfig(**config.model_dump()).chat_template == TEMPLATE
+    assert EngineConfig(model="m", chat_template="None").chat_template is None
     with pytest.raises(ValueError, match="chat_template\n.*looks like a path"):
         EngineConfig(model="m", chat_template=str(tmp_path / "missing.jinja"))
 
