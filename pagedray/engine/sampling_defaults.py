@@ -36,8 +36,6 @@ SAMPLING_FIELDS = (
     "min_p",
 )
 NEUTRAL = "vllm"  # the setting for none: vLLM's spelling of its own neutral defaults
-
-
 OUTPUT_LIMIT = "max_new_tokens"  # transformers' name of what a request calls max_tokens
 
 
@@ -80,10 +78,9 @@ def max_tokens_cap(config: EngineConfig, defaults: dict[str, Any]) -> int | None
     """The most tokens any request may generate, whatever its `max_tokens`: vLLM's
     `override_max_tokens`, the default's `max_new_tokens` where it came from a folder named by
     `--generation-config`, else from `--override-generation-config`; None: no cap."""
-    if config.generation_config not in ("auto", NEUTRAL):
-        return defaults.get("max_tokens")
-    if OUTPUT_LIMIT in config.override_generation_config:
-        return defaults.get("max_tokens")  # the override's, validated with the rest
+    named_folder = config.generation_config not in ("auto", NEUTRAL)
+    if named_folder or OUTPUT_LIMIT in config.override_generation_config:
+        return defaults.get("max_tokens")  # validated with the rest, the override's over the file's
     return None
 
 
