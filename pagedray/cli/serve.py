@@ -53,7 +53,7 @@ def add_serve_parser(commands: Any) -> None:
         ("--enable-auto-tool-choice", "tool_choice=auto is always on"),
         ("--enable-chunked-prefill", "prompts are always prefilled in chunks"),
         ("--enforce-eager", "the model always runs eagerly (no CUDA graphs)"),
-        ("--disable-log-requests", "no request's prompt or parameters are logged"),
+        ("--disable-log-requests", "requests are logged only with --enable-log-requests"),
     ):
         parser.add_argument(flag, action="store_true", help=f"accepted for vLLM: {always} here")
     parser.add_argument("--host", default="127.0.0.1", help="the API's address")

@@ -221,6 +221,24 @@ class EngineConfig(BaseModel):
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
     )
+    enable_log_requests: bool = Field(
+        False,
+        description="log each request's id and sampling parameters (INFO), its prompt at DEBUG",
+    )
+    enable_log_outputs: bool = Field(
+        False,
+        description="with --enable-log-requests: log each choice's text when it ends (INFO), "
+        "its token ids at DEBUG",
+    )
+    enable_log_deltas: bool = Field(
+        True, description="with --enable-log-outputs: log each streamed delta's text too"
+    )
+    max_log_len: int | None = Field(
+        None,
+        ge=0,
+        description="logged prompts and outputs cut to this many characters or token ids "
+        "(default: whole)",
+    )
     generation_config: str = Field(
         "auto",
         description="defaults of the sampling parameters a request leaves unset: auto, from "
@@ -294,6 +312,12 @@ class EngineConfig(BaseModel):
     def _one_kv_budget(self) -> EngineConfig:
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("kv_cache_memory_bytes: give it or kv_cache_memory_gb, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _outputs_logged_with_requests(self) -> EngineConfig:
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("enable_log_outputs: requires enable_log_requests (as vLLM's)")
         return self
 
     @property

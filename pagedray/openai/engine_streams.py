@@ -15,6 +15,7 @@ from typing import Any, AsyncGenerator, AsyncIterator
 from pagedray.engine.engine_client import EngineClient
 from pagedray.engine.request_text import RequestText
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
+from pagedray.openai.request_log import RequestLog
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,14 @@ class EngineStreams:
     stream closed, which aborts it in the engine.
     """
 
-    def __init__(self, client: EngineClient, requests: list[GenerateRequest], tokenizer: Any):
+    def __init__(
+        self,
+        client: EngineClient,
+        requests: list[GenerateRequest],
+        tokenizer: Any,
+        log: RequestLog | None = None,
+    ) -> None:
+        self.log = log  # the request log's, when the server keeps one
         self.request_ids = [request.request_id for request in requests]
         self.params = [request.sampling_params for request in requests]  # as the engine runs them
         self.texts = [
@@ -131,6 +139,9 @@ class EngineStreams:
     def _with_text(self, index: int, output: RequestStepOutput) -> RequestStepOutput:
         text = self.texts[index]
         deltas = [d for d in (text.apply(delta) for delta in output.deltas) if d is not None]
+        if self.log is not None:
+            for delta in deltas:
+                self.log.output(delta, text.choices[delta.index].text)
         finished = output.finished or text.finished
         usage = None
         if finished:

@@ -28,6 +28,7 @@ from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
 from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
 from pagedray.openai.request_body import BodyError
+from pagedray.openai.request_log import RequestLog, warn_if_unseen
 from pagedray.openai.response_store import ResponseStoreClient
 from pagedray.openai.serving import (
     LogprobFormatter,
@@ -76,6 +77,7 @@ class OpenAIServer:
         self.prometheus_text = prometheus_text
         self.logprobs = LogprobFormatter(tokenizer)
         self.executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedray-tok")
+        warn_if_unseen(config)
 
     async def not_ready(self, request_id: str) -> Response | None:
         """None once the engines serve; until then the 503 to answer."""
@@ -180,7 +182,11 @@ class OpenAIServer:
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
-        streams = EngineStreams(self.client, requests, self.tokenizer)
+        log = RequestLog(self.config, stream) if self.config.enable_log_requests else None
+        if log is not None:
+            for prompt, request in zip(prompts, requests, strict=True):
+                log.received(request.request_id, prompt, request.sampling_params)
+        streams = EngineStreams(self.client, requests, self.tokenizer, log)
         failure = await streams.open()
         return engine_error_response(failure) if failure is not None else streams
 

@@ -62,7 +62,16 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--enable-auto-tool-choice"], "tool_call_parser", ABSENT),  # always on here
     (["--enable-chunked-prefill"], "enable_chunked_prefill", ABSENT),  # always on here
     (["--enforce-eager"], "enforce_eager", ABSENT),  # always eager here
-    (["--disable-log-requests"], "disable_log_requests", ABSENT),  # never logged here
+    (["--disable-log-requests"], "disable_log_requests", ABSENT),  # the default
+    (["--enable-log-requests"], "enable_log_requests", True),
+    (["--no-enable-log-requests"], "enable_log_requests", False),
+    (["--enable-log-requests", "--enable-log-outputs"], "enable_log_outputs", True),
+    (
+        ["--enable-log-requests", "--enable-log-outputs", "--no-enable-log-deltas"],
+        "enable_log_deltas",
+        False,
+    ),
+    (["--max-log-len", "100"], "max_log_len", 100),
     (["--data-parallel-size", "2"], "num_replicas", 2),
     (["-dp", "3"], "num_replicas", 3),
     (["--trust-remote-code"], "trust_remote_code", True),
@@ -155,6 +164,8 @@ def test_values_vllm_refuses_are_refused(capsys: pytest.CaptureFixture[str]) -> 
         ["--max-model-len", "1.5K"],  # no decimals with a binary suffix, as vLLM
         ["--allowed-origins", "*"],  # a JSON list, as vLLM's
         ["--kv-cache-memory-gb", "1", "--kv-cache-memory-bytes", "1G"],
+        ["--enable-log-outputs"],  # without --enable-log-requests, as vLLM refuses it
+        ["--max-log-len", "-1"],
     ):
         with pytest.raises(SystemExit):  # by the parser, or by the settings' schema
             serve_app_args(_serve([MODEL, *flags]))

@@ -186,6 +186,7 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
     key_file.write_text(f"  {KEY}\n")
     # NOTE: pagedray serve writes each access line at once (Serve's throughput mode would buffer
     # 1,000), so they are in the replica logs read below.
+    flags.append("--enable-log-requests")  # vLLM's request log, read below
     with pagedray_serve(tiny_llama, *flags, "--api-key-file", str(key_file)) as server:
         _check_listeners_and_command_lines(server)
         client = httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
@@ -252,6 +253,15 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         assert len(completions) == 1 + DROPS + 1, completions
         assert all(line.startswith("INFO ") for line in completions)
         assert "CALL generate" not in engine
+        # The request log: each request's line in the ingress's file and on the console (Serve's
+        # throughput mode writes its own lines to the file only).
+        received = f"Received request {whole.json()['id']}: params: SamplingParams("
+        assert received in ingress
+        deadline = time.monotonic() + LOG_WAIT_S
+        console = server.log_path.read_text
+        while received not in console(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert received in console(errors="replace")
         # pagedray's own INFO lines reach the replica's file, in Serve's format: here the
         # rank's choice of threads for streamed steps (cluster/replica_logging.py), made where
         # the two counts differ (a core is left to the serving path).

@@ -14,10 +14,11 @@ from _subprocesses import pagedray_serve
 
 KEY = "sk-no-ray"
 FLAGS = ("--no-ray", "--served-model-name", "tiny", "--num-kv-blocks", "32", "--api-key", KEY)
+LOGGED = ("--enable-log-requests",)  # vLLM's request log, on the console here
 
 
 def test_one_process_serves_the_api(tiny_llama: str) -> None:
-    with pagedray_serve(tiny_llama, *FLAGS) as server:
+    with pagedray_serve(tiny_llama, *FLAGS, *LOGGED) as server:
         assert not server.processes("raylet") and not server.processes("gcs_server")
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
         messages: list = [{"role": "user", "content": "Hello"}]
@@ -34,6 +35,7 @@ def test_one_process_serves_the_api(tiny_llama: str) -> None:
         assert httpx.get(f"{server.url}/v1/models").status_code == 401  # the key is asked
         log = server.log_tail()
     assert "pagedray: serving the OpenAI API at" in log and "Ray" not in log.replace("no Ray", "")
+    assert f"Received request {whole.id}: params: SamplingParams(" in log
 
 
 def test_what_needs_ray_is_refused_before_the_model_loads(tiny_llama: str) -> None:
