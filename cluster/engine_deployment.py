@@ -27,7 +27,12 @@ from pagedray.cluster.engine_router import (
 )
 from pagedray.cluster.kv_puller import KVPuller
 from pagedray.cluster.placement import engine_bundles, resolve_use_gpu
-from pagedray.cluster.replica_logging import log_through_serve
+from pagedray.cluster.replica_logging import (
+    STATS_LOG_NAME,
+    log_through_serve,
+    on_console,
+    serve_logs_to_stderr,
+)
 from pagedray.engine.async_engine import DEFAULT_STUCK_AFTER_S, SAVE_ON_EXIT_S, AsyncEngine
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.kv_index_publisher import KVIndexPublisher, pack_delta
@@ -36,6 +41,7 @@ from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import failure_of
 from pagedray.engine.request_stream import Sink
+from pagedray.engine.stats_log import stats_log_for
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.kv_transfer import KVExport, TierAddress
 from pagedray.scheduler.prefix_hash import BlockHash
@@ -104,7 +110,10 @@ class EngineDeployment:
             stuck_after_s,
             metrics=EngineMetrics(model_name),
             request_timeout_s=self.config.request_timeout_s or None,
+            stats_log=stats_log_for(self.config),
         )
+        if not self.config.disable_log_stats and not serve_logs_to_stderr():
+            on_console(STATS_LOG_NAME)
         self.replica_id = _replica_id()
         self.channels = OutputChannels(self.engine.abort)
         # With KV cache events on, routers follow this engine's prefix cache (subscribe_kv).

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
-from ray.serve._private import constants as serve_constants
 from ray.serve.handle import DeploymentHandle
 
 from pagedray.cluster import kv_views
@@ -21,7 +20,12 @@ from pagedray.cluster.engine_control import EngineControl, config_max_model_len
 from pagedray.cluster.engine_deployment import MAX_ONGOING_REQUESTS
 from pagedray.cluster.ingress_metrics import IngressMetrics
 from pagedray.cluster.metrics_endpoint import export_urls, fetch_exports, merge_pagedray_families
-from pagedray.cluster.replica_logging import log_through_serve, request_log_on_stderr
+from pagedray.cluster.replica_logging import (
+    REQUEST_LOG_NAME,
+    log_through_serve,
+    on_console,
+    serve_logs_to_stderr,
+)
 from pagedray.cluster.response_store_deployment import ServeResponseStore
 from pagedray.cluster.serve_bind_fix import install_serve_bind_fix
 from pagedray.cluster.serve_cancel_fix import install_serve_cancel_fix
@@ -89,8 +93,8 @@ class OpenAIIngress:
         install_serve_cancel_fix()  # before any request: hung-up ones must keep their log line
         install_serve_bind_fix()  # before the replica listens on the API port (after this)
         engine_config = EngineConfig.model_validate(config)
-        if engine_config.enable_log_requests and not serve_constants.RAY_SERVE_LOG_TO_STDERR:
-            request_log_on_stderr()  # Serve writes its own lines to the log file only
+        if engine_config.enable_log_requests and not serve_logs_to_stderr():
+            on_console(REQUEST_LOG_NAME)
         tokenizer = load_tokenizer(engine_config)
         control = EngineControl(engine, config_max_model_len(engine_config))
         if engine_config.enable_kv_cache_events:  # cache-aware routing: follow engines' caches

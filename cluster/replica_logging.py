@@ -20,6 +20,7 @@ SERVE_LOGGER_NAME = "ray.serve"  # ray/serve/_private/constants.py
 PAGEDRAY_LOGGER_NAME = "pagedray"
 RANK_LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
 REQUEST_LOG_NAME = "pagedray.openai.request_log"  # openai/request_log.py
+STATS_LOG_NAME = "pagedray.engine.stats_log"  # engine/stats_log.py
 ROUTE_MARK = "pagedray_route"  # an attribute on the handler this module added
 
 
@@ -55,22 +56,30 @@ def log_to_stderr() -> None:
     _route(stderr_handler, logging.INFO)
 
 
-def request_log_on_stderr() -> None:
-    """The request log's lines (`--enable-log-requests`) on this process's stderr too, as vLLM
-    prints them on its console: Ray brings a replica's stderr to `pagedray serve`'s console,
-    where Serve's throughput mode (pagedray's default) writes its logger to the log file only,
-    and a `--no-ray` server has no handler for INFO lines. At INFO unless a lower level is set.
-    Idempotent."""
-    request_logger = logging.getLogger(REQUEST_LOG_NAME)
-    if any(getattr(h, ROUTE_MARK, False) for h in request_logger.handlers):
+def on_console(logger_name: str) -> None:
+    """A logger's lines (the request log, the stats line) on this process's stderr too, as
+    vLLM prints them on its console: Ray brings a replica's stderr to `pagedray serve`'s
+    console, where Serve's throughput mode (pagedray's default) writes its logger to the log
+    file only, and a `--no-ray` server has no handler for INFO lines. At INFO unless a lower
+    level is set. Idempotent."""
+    chosen = logging.getLogger(logger_name)
+    if any(getattr(h, ROUTE_MARK, False) for h in chosen.handlers):
         return
     # NOTE: the process's own stderr: a replica's `sys.stderr` is Serve's, into its log file.
     handler = logging.StreamHandler(sys.__stderr__)
     handler.setFormatter(logging.Formatter(RANK_LOG_FORMAT))
     setattr(handler, ROUTE_MARK, True)
-    request_logger.addHandler(handler)
-    if request_logger.getEffectiveLevel() > logging.INFO:
-        request_logger.setLevel(logging.INFO)
+    chosen.addHandler(handler)
+    if chosen.getEffectiveLevel() > logging.INFO:
+        chosen.setLevel(logging.INFO)
+
+
+def serve_logs_to_stderr() -> bool:
+    """Whether Serve writes a replica's log lines to stderr itself (then `on_console` would
+    show them twice)."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_LOG_TO_STDERR)
 
 
 def _route(make_handler: Callable[[], logging.Handler], level: int) -> None:

@@ -227,9 +227,15 @@ class Worker:
             torch.set_num_threads(wanted)
 
 
-def _pick_device(device: str, rank: int) -> torch.device:
+def resolved_device(device: str) -> str:
+    """The device a rank of this process's node runs on for the `device` setting."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _pick_device(device: str, rank: int) -> torch.device:
+    device = resolved_device(device)
     if device == "cuda":
         # NOTE: under Ray each actor sees only its own GPU as device 0.
         return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else rank)

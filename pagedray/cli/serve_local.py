@@ -12,7 +12,7 @@ import signal
 from pathlib import Path
 
 from pagedray.cli.console import say
-from pagedray.cluster.replica_logging import request_log_on_stderr
+from pagedray.cluster.replica_logging import REQUEST_LOG_NAME, STATS_LOG_NAME, on_console
 from pagedray.cluster.server_config import ServerConfig
 from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.response_store import ResponseStore
@@ -36,7 +36,9 @@ def run_local_serve(args: argparse.Namespace, settings: ServerConfig, model_give
         settings = settings.model_copy(update={"model": str(default_model_path())})
     config = settings.engine_config()
     if config.enable_log_requests:
-        request_log_on_stderr()
+        on_console(REQUEST_LOG_NAME)
+    if not config.disable_log_stats:
+        on_console(STATS_LOG_NAME)
     if config.num_threads is None and config.device != "cuda":
         # The machine's cores but one while a request streams: the HTTP side needs one.
         config = config.model_copy(update=serving_thread_counts(1))

@@ -28,6 +28,7 @@ from pagedray.engine.request_errors import (
 )
 from pagedray.engine.request_lifecycle import RequestLifecycle
 from pagedray.engine.request_stream import Sink
+from pagedray.engine.stats_log import StatsLog
 from pagedray.engine.step_metrics import EngineMetrics, StepMetricsRecorder
 from pagedray.engine.step_runner import FinishedStep, StepRunner
 from pagedray.engine.wire import RequestStepOutput
@@ -70,13 +71,16 @@ class AsyncEngine:
         stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
         metrics: EngineMetrics | None = None,
         request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+        stats_log: StatsLog | None = None,
     ) -> None:
-        """`metrics`: recorded every step and at every finish; `request_timeout_s` None: none."""
+        """`metrics`: recorded every step and at every finish; `request_timeout_s` None: none;
+        `stats_log`: the periodic stats line's (vLLM's), when the engine writes one."""
         self.core = core
         self.output_processor = output_processor
         self.stuck_after_s = stuck_after_s
         self.metrics = metrics
-        self._recorder = StepMetricsRecorder(metrics)
+        self.stats_log = stats_log
+        self._recorder = StepMetricsRecorder(metrics, stats_log)
         config = core.scheduler.config
         max_num_waiting = config.max_num_waiting or default_max_num_waiting(
             config.max_num_seqs, core.scheduler.kv_cache_manager.num_blocks
@@ -344,9 +348,11 @@ class AsyncEngine:
         self._publish(by_request)
 
     async def _wait_for_work(self) -> None:
-        """Sleep until woken; with metrics, at most `METRICS_REFRESH_S` (gauges stay exported)."""
+        """Sleep until woken; with metrics or the stats line, at most `METRICS_REFRESH_S` (gauges
+        stay exported, and the line that shows the load ending is written)."""
         assert self._wakeup is not None
-        timeout_s = None if self.metrics is None else METRICS_REFRESH_S
+        refreshed = self.metrics is not None or self.stats_log is not None
+        timeout_s = METRICS_REFRESH_S if refreshed else None
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), timeout_s)
 

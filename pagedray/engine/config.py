@@ -221,6 +221,11 @@ class EngineConfig(BaseModel):
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
     )
+    disable_log_stats: bool = Field(
+        False,
+        description="no periodic stats line (throughput, requests, KV usage, hit rate) in a "
+        "serving engine's log; the metrics stay exported",
+    )
     enable_log_requests: bool = Field(
         False,
         description="log each request's id and sampling parameters (INFO), its prompt at DEBUG",

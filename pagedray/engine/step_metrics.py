@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 from pagedray.engine.output_processor import RequestState
+from pagedray.engine.stats_log import StatsLog
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import Request
 
@@ -74,8 +75,9 @@ class StepRecord:
 class StepMetricsRecorder:
     """Records into an `EngineMetrics`; with none, every call does nothing."""
 
-    def __init__(self, metrics: EngineMetrics | None) -> None:
+    def __init__(self, metrics: EngineMetrics | None, stats_log: StatsLog | None = None) -> None:
         self.metrics = metrics
+        self.stats_log = stats_log  # the periodic stats line, when the engine writes one
         # Scheduler-side state of live requests, kept for their queue time.
         self._requests: dict[str, Request] = {}
         # time.monotonic() of each live request's last token: its next token's latency.
@@ -83,11 +85,15 @@ class StepMetricsRecorder:
 
     def stats(self, *parts: Mapping[str, float]) -> None:
         """A stats snapshot, given in parts (the scheduler's, the KV hand-offs')."""
+        if self.metrics is None and self.stats_log is None:
+            return
+        merged: dict[str, float] = {}
+        for part in parts:
+            merged.update(part)
         if self.metrics is not None:
-            merged: dict[str, float] = {}
-            for part in parts:
-                merged.update(part)
             self.metrics.record_stats(merged)
+        if self.stats_log is not None:
+            self.stats_log.stats(merged)
 
     def admitted(self, request: Request) -> None:
         if self.metrics is not None:
@@ -100,6 +106,8 @@ class StepMetricsRecorder:
         """A step; `request_ids` got tokens in it. Each of them that had a token before
         observes its own inter-token latency (as vLLM: per request, per step it advanced), so
         a request that waited, preempted, shows the wait its client saw."""
+        if self.stats_log is not None:
+            self.stats_log.step(step.num_tokens)
         if self.metrics is None:
             return
         now = step.end_time

@@ -15,6 +15,7 @@ from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_factory import build_engine
 from pagedray.engine.local_engine_client import LocalEngineClient
 from pagedray.engine.output_processor import OutputProcessor
+from pagedray.engine.stats_log import stats_log_for
 from pagedray.openai.cors import CORSSettings
 from pagedray.openai.http_app import openai_fastapi_app
 from pagedray.openai.ingress_guard import GuardSettings
@@ -41,6 +42,7 @@ def local_openai_app(
         OutputProcessor(None),  # token ids only: the server makes the text
         stuck_after_s,
         request_timeout_s=config.request_timeout_s or None,
+        stats_log=stats_log_for(config),
     )
     server = OpenAIServer(
         LocalEngineClient(engine),

@@ -72,6 +72,7 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
         False,
     ),
     (["--max-log-len", "100"], "max_log_len", 100),
+    (["--disable-log-stats"], "disable_log_stats", True),
     (["--data-parallel-size", "2"], "num_replicas", 2),
     (["-dp", "3"], "num_replicas", 3),
     (["--trust-remote-code"], "trust_remote_code", True),

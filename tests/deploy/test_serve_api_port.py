@@ -187,7 +187,10 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
     # NOTE: pagedray serve writes each access line at once (Serve's throughput mode would buffer
     # 1,000), so they are in the replica logs read below.
     flags.append("--enable-log-requests")  # vLLM's request log, read below
-    with pagedray_serve(tiny_llama, *flags, "--api-key-file", str(key_file)) as server:
+    stats_every_second = {"VLLM_LOG_STATS_INTERVAL": "1"}  # the engine's stats line, read below
+    with pagedray_serve(
+        tiny_llama, *flags, "--api-key-file", str(key_file), env=stats_every_second
+    ) as server:
         _check_listeners_and_command_lines(server)
         client = httpx.Client(base_url=server.url, headers=AUTH, timeout=60)
         num_prompt = client.post("/tokenize", json={"prompt": "Hello"}).json()["count"]
@@ -262,6 +265,13 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         while received not in console(errors="replace") and time.monotonic() < deadline:
             time.sleep(0.5)
         assert received in console(errors="replace")
+        # The engine's stats line (vLLM's), in its file and on the console, at INFO once it
+        # generated (an idle engine's line is at DEBUG).
+        stats_line = (
+            " -- Avg prompt throughput: "  # Serve's format in the file, ours on the console
+        )
+        assert stats_line in engine
+        assert f"pagedray.engine.stats_log{stats_line}" in console(errors="replace")
         # pagedray's own INFO lines reach the replica's file, in Serve's format: here the
         # rank's choice of threads for streamed steps (cluster/replica_logging.py), made where
         # the two counts differ (a core is left to the serving path).
