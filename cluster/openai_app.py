@@ -95,6 +95,9 @@ def build_openai_app(
         graceful_shutdown_timeout_s=drain_timeout_s(engine_config),
         graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
     )
+    if server.disable_uvicorn_access_log:
+        # NOTE: only when asked: a deployment's own logging_config hides the application's.
+        ingress = ingress.options(logging_config={"enable_access_log": False})
     store = cast(Deployment, ResponseStoreDeployment).bind(
         max_responses=server.responses_max_stored, ttl_s=server.responses_ttl_s
     )

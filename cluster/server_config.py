@@ -41,7 +41,14 @@ class ServerConfig(EngineConfig):
         1,
         ge=1,
         description="HTTP ingress replicas, each listening on the API port itself (more than "
-        "1: the kernel shares the port among them, so none is the API's single process)",
+        "1: the kernel shares the port among them, so none is the API's single process; "
+        "vLLM's API server count)",
+        json_schema_extra=flags("--num-ingress-replicas", "--api-server-count", "-asc"),
+    )
+    disable_uvicorn_access_log: bool = Field(
+        False,
+        description="no access line per request in the ingress replicas' logs (vLLM's flag; "
+        "Serve writes the lines here)",
     )
     routing: Literal["cache-aware", "power-of-two"] | None = Field(
         None,

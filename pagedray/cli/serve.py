@@ -54,8 +54,17 @@ def add_serve_parser(commands: Any) -> None:
         ("--enable-chunked-prefill", "prompts are always prefilled in chunks"),
         ("--enforce-eager", "the model always runs eagerly (no CUDA graphs)"),
         ("--disable-log-requests", "requests are logged only with --enable-log-requests"),
+        ("--enable-prompt-tokens-details", "usage always has prompt_tokens_details"),
     ):
         parser.add_argument(flag, action="store_true", help=f"accepted for vLLM: {always} here")
+    # And those whose one value is what pagedray always does (any other is refused).
+    for names, value, always in (
+        (["--kv-cache-dtype"], "auto", "the KV cache takes the model's dtype"),
+        (["--pipeline-parallel-size", "-pp"], "1", "one pipeline stage"),
+        (["--distributed-executor-backend"], "ray", "ranks of TP > 1 are Ray actors"),
+    ):
+        help_text = f"accepted for vLLM as {value}: {always} here"
+        parser.add_argument(*names, choices=[value], help=help_text)
     parser.add_argument("--host", default="127.0.0.1", help="the API's address")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(

@@ -57,7 +57,8 @@ def run_local_serve(args: argparse.Namespace, settings: ServerConfig, model_give
     # handler it found: ours, so that a requested stop exits with 0, as with Ray.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    access_log = not settings.disable_uvicorn_access_log
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=access_log)
     say("stopped")
     return 0
 

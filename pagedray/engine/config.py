@@ -221,6 +221,11 @@ class EngineConfig(BaseModel):
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto", description="how tool_choice auto reads calls from the text (auto: by the template)"
     )
+    enable_force_include_usage: bool = Field(
+        False,
+        description="every streamed response ends with its usage, as if the request set "
+        "stream_options.include_usage",
+    )
     disable_log_stats: bool = Field(
         False,
         description="no periodic stats line (throughput, requests, KV usage, hit rate) in a "

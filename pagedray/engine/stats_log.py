@@ -60,6 +60,8 @@ class StatsLog:
         """A snapshot of the engine's stats: the line, if an interval has passed."""
         if not self.last:  # the first: the counters' baseline (a warm-up's tokens are not load)
             self.last = dict(stats)
+            self.last_time = self.clock()
+            self.num_generation_tokens = 0
             return
         now = self.clock()
         elapsed = now - self.last_time

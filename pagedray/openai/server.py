@@ -149,7 +149,7 @@ class OpenAIServer:
             num_prompts=1,
             logprobs=self.logprobs,
             num_logprobs=params.logprobs,
-            include_usage=body.include_usage,
+            include_usage=body.include_usage or self.config.enable_force_include_usage,
             num_prompt_tokens=len(prompt.token_ids),
             tool_calls=ToolCallOutput.of(
                 body.tool_dicts(),

@@ -73,6 +73,15 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     ),
     (["--max-log-len", "100"], "max_log_len", 100),
     (["--disable-log-stats"], "disable_log_stats", True),
+    (["--enable-force-include-usage"], "enable_force_include_usage", True),
+    (["--enable-prompt-tokens-details"], "enable_prompt_tokens_details", ABSENT),  # always
+    (["--kv-cache-dtype", "auto"], "kv_cache_dtype", ABSENT),  # the model's, always
+    (["-pp", "1"], "pipeline_parallel_size", ABSENT),  # one stage, always
+    (["--pipeline-parallel-size", "1"], "pipeline_parallel_size", ABSENT),
+    (["--distributed-executor-backend", "ray"], "distributed_executor_backend", ABSENT),
+    (["--api-server-count", "2"], "num_ingress_replicas", 2),
+    (["-asc", "3"], "num_ingress_replicas", 3),
+    (["--disable-uvicorn-access-log"], "disable_uvicorn_access_log", True),
     (["--data-parallel-size", "2"], "num_replicas", 2),
     (["-dp", "3"], "num_replicas", 3),
     (["--trust-remote-code"], "trust_remote_code", True),
@@ -167,6 +176,9 @@ def test_values_vllm_refuses_are_refused(capsys: pytest.CaptureFixture[str]) -> 
         ["--kv-cache-memory-gb", "1", "--kv-cache-memory-bytes", "1G"],
         ["--enable-log-outputs"],  # without --enable-log-requests, as vLLM refuses it
         ["--max-log-len", "-1"],
+        ["--kv-cache-dtype", "fp8"],  # no fp8 KV cache here
+        ["-pp", "2"],  # no pipeline parallelism here
+        ["--distributed-executor-backend", "mp"],
     ):
         with pytest.raises(SystemExit):  # by the parser, or by the settings' schema
             serve_app_args(_serve([MODEL, *flags]))

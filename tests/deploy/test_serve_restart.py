@@ -30,6 +30,12 @@ def _in_time_wait(port: int) -> bool:
     return False
 
 
+def _ingress_log(ray_tmp: Path) -> str:
+    folder = ray_tmp / "session_latest" / "logs" / "serve"
+    files = folder.glob("replica_pagedray_OpenAIIngress_*.log")
+    return "".join(path.read_text(errors="replace") for path in files)
+
+
 # What Ray and Serve print by themselves that a user cannot act on (pagedray/cli/console.py).
 NOISE = (
     "Token authentication is enabled",
@@ -78,11 +84,18 @@ def test_a_restart_right_after_a_stop_with_a_client_connected_serves(tiny_llama:
             response.read()
             assert response.status == 200 and not response.will_close  # kept alive, held open
         _check_console((workdir / "serve.log").read_text(errors="replace"))
+        assert "GET /health 200" in _ingress_log(workdir / "ray")  # Serve's line, by default
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     # The server stopped with the connection open, so it closed it first: once the client
     # closes its end too, the server's end lingers in TIME_WAIT, on the API port.
     held.close()
     assert _in_time_wait(port)
-    with pagedray_serve(tiny_llama, *FLAGS, port=port, start_timeout_s=RESTART_TIMEOUT_S) as again:
+    # vLLM's --disable-uvicorn-access-log: no access line (Serve writes them here).
+    quiet = (*FLAGS, "--disable-uvicorn-access-log")
+    with pagedray_serve(tiny_llama, *quiet, port=port, start_timeout_s=RESTART_TIMEOUT_S) as again:
         assert get_ok(f"{again.url}/v1/models")
+        get_ok(f"{again.url}/health")
+        assert "Started initializing replica" in _ingress_log(again.ray_tmp)  # the log is there
+        assert " /v1/models " not in _ingress_log(again.ray_tmp)
+        assert " /health " not in _ingress_log(again.ray_tmp)

@@ -176,3 +176,24 @@ def test_anthropic_messages_on_the_same_server(served: tuple[TestClient, OpenAIS
     refused = http.post("/v1/messages", json={**body, "max_tokens": -1}, headers={"x-api-key": KEY})
     assert refused.status_code == 400
     assert refused.json()["type"] == "error"  # Anthropic's shape
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's `--enable-force-include-usage`: a stream that asks no usage still ends with it."""
+    messages: Any = [{"role": "user", "content": "Count."}]
+
+    def streamed_usages() -> list[Any]:
+        whole = {"max_tokens": 3, "stream": True, "extra_body": {"ignore_eos": True}}
+        chat = sdk.chat.completions.create(model="x", messages=messages, **whole)
+        text = sdk.completions.create(model="x", prompt=PROMPT, **whole)
+        return [chunk.usage for chunk in [*chat, *text] if chunk.usage is not None]
+
+    assert streamed_usages() == []
+    server = served[1]
+    forced = server.config.model_copy(update={"enable_force_include_usage": True})
+    monkeypatch.setattr(server, "config", forced)
+    usages = streamed_usages()
+    assert [usage.completion_tokens for usage in usages] == [3, 3]
+    assert usages[1].prompt_tokens == len(PROMPT)

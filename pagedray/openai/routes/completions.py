@@ -44,7 +44,7 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
         num_prompts=len(prompts),
         logprobs=server.logprobs,
         num_logprobs=body.logprobs,
-        include_usage=body.include_usage,
+        include_usage=body.include_usage or server.config.enable_force_include_usage,
         echo=echo,
         echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
     )
