@@ -110,7 +110,7 @@ class EngineDeployment:
             stuck_after_s,
             metrics=EngineMetrics(model_name),
             request_timeout_s=self.config.request_timeout_s or None,
-            stats_log=stats_log_for(self.config),
+            stats_log=stats_log_for(self.config, resolve_use_gpu(self.config.device)),
         )
         if not self.config.disable_log_stats and not serve_logs_to_stderr():
             on_console(STATS_LOG_NAME)

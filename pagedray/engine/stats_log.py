@@ -1,5 +1,6 @@
-"""The serving engine's periodic stats line, as vLLM writes it every 10 seconds, so an operator
-who watches vLLM's log reads the same line here:
+"""The serving engine's periodic stats line, vLLM's figures in vLLM's words every 10 seconds, so
+an operator who watches vLLM's log finds them here (without its `Engine 000:` prefix: an engine
+here is a Serve replica, which its log line names):
 
     Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 96.4 tokens/s, Running: 8
     reqs, Waiting: 0 reqs, CPU KV cache usage: 12.5%, Prefix cache hit rate: 43.0%
@@ -65,7 +66,7 @@ class StatsLog:
             return
         now = self.clock()
         elapsed = now - self.last_time
-        if elapsed < self.interval_s:
+        if elapsed < self.interval_s or elapsed <= 0:
             return
         computed = self._delta(stats, "prompt_tokens_local_compute")
         prompt_throughput = computed / elapsed
@@ -106,13 +107,19 @@ class StatsLog:
         return sum(h for _, h in window) / total if total else None
 
 
-def stats_log_for(config: EngineConfig) -> StatsLog | None:
-    """A serving engine's stats line, unless `disable_log_stats`."""
+def stats_log_for(config: EngineConfig, on_gpu: bool) -> StatsLog | None:
+    """A serving engine's stats line, unless `disable_log_stats`; `on_gpu`: where its KV pool
+    lives. The period is VLLM_LOG_STATS_INTERVAL's, read as vLLM reads it (a value that is not
+    a positive number of seconds leaves the default)."""
     if config.disable_log_stats:
         return None
-    # NOTE: imported here: it brings torch, which an ingress (importing this module through the
-    # engine's metrics recorder) never loads.
-    from pagedray.workers.worker import resolved_device
-
-    interval_s = float(os.environ.get(INTERVAL_ENV, LOG_STATS_INTERVAL_S))
-    return StatsLog("GPU" if resolved_device(config.device) == "cuda" else "CPU", interval_s)
+    interval_s = LOG_STATS_INTERVAL_S
+    given = os.environ.get(INTERVAL_ENV)
+    if given is not None:
+        try:
+            interval_s = float(given) if float(given) > 0 else LOG_STATS_INTERVAL_S
+        except ValueError:
+            logger.warning(
+                "%s=%r is not a number of seconds: %s s", INTERVAL_ENV, given, interval_s
+            )
+    return StatsLog("GPU" if on_gpu else "CPU", interval_s)

@@ -3,14 +3,18 @@ request at its end, never one per token, since the loop is the engine's hot path
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 from pagedray.engine.output_processor import RequestState
 from pagedray.engine.stats_log import StatsLog
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class EngineMetrics(Protocol):
@@ -93,7 +97,15 @@ class StepMetricsRecorder:
         if self.metrics is not None:
             self.metrics.record_stats(merged)
         if self.stats_log is not None:
-            self.stats_log.stats(merged)
+            self._to_stats_log(self.stats_log.stats, merged)
+
+    def _to_stats_log(self, feed: Callable[[Any], None], value: Any) -> None:
+        """A log line never fails the engine: a stats line that raises is turned off, loudly."""
+        try:
+            feed(value)
+        except Exception:  # noqa: BLE001 - a diagnostic, never worth the requests in flight
+            logger.exception("the stats line failed; it is off from now on")
+            self.stats_log = None
 
     def admitted(self, request: Request) -> None:
         if self.metrics is not None:
@@ -107,7 +119,7 @@ class StepMetricsRecorder:
         observes its own inter-token latency (as vLLM: per request, per step it advanced), so
         a request that waited, preempted, shows the wait its client saw."""
         if self.stats_log is not None:
-            self.stats_log.step(step.num_tokens)
+            self._to_stats_log(self.stats_log.step, step.num_tokens)
         if self.metrics is None:
             return
         now = step.end_time

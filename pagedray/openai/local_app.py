@@ -22,6 +22,7 @@ from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.response_store import LocalResponseStore, ResponseStore
 from pagedray.openai.server import OpenAIServer
 from pagedray.workers.compute_thread import compute_thread
+from pagedray.workers.worker import resolved_device
 
 
 def local_openai_app(
@@ -42,7 +43,7 @@ def local_openai_app(
         OutputProcessor(None),  # token ids only: the server makes the text
         stuck_after_s,
         request_timeout_s=config.request_timeout_s or None,
-        stats_log=stats_log_for(config),
+        stats_log=stats_log_for(config, resolved_device(config.device) == "cuda"),
     )
     server = OpenAIServer(
         LocalEngineClient(engine),

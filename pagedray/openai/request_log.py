@@ -1,5 +1,7 @@
 """The request log, as vLLM's `--enable-log-requests`, `--enable-log-outputs` and `--max-log-len`
-write it, so a server moved from vLLM logs the same lines.
+write it: its lines in its words, so a server moved from vLLM logs what it did (less vLLM's
+`lora_request`, which has no meaning here, and with a streamed choice's real finish reason
+where vLLM writes `streaming_complete`).
 
 Prompts and outputs are the users' data: nothing is logged unless asked. With
 `--enable-log-requests`, each engine request's id and sampling parameters at INFO, its prompt

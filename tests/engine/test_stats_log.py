@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from pagedray.engine.config import EngineConfig
-from pagedray.engine.stats_log import INTERVAL_ENV, StatsLog
+from pagedray.engine.stats_log import INTERVAL_ENV, StatsLog, stats_log_for
+from pagedray.engine.step_metrics import StepMetricsRecorder
 from pagedray.openai.local_app import local_openai_app
 
 LOGGER = "pagedray.engine.stats_log"
@@ -93,6 +95,26 @@ def test_the_line_over_an_interval(caplog: pytest.LogCaptureFixture) -> None:
             "Prefix cache hit rate: 25.0%, External prefix cache hit rate: 50.0%",
         ),
     ]
+
+
+def test_the_period_is_read_as_vllm_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = EngineConfig(model="m")
+    for given, period in (("2.5", 2.5), ("0", 10.0), ("-1", 10.0), ("soon", 10.0)):
+        monkeypatch.setenv(INTERVAL_ENV, given)
+        stats_log = stats_log_for(config, on_gpu=False)
+        assert stats_log is not None and stats_log.interval_s == period
+    assert stats_log_for(EngineConfig(model="m", disable_log_stats=True), on_gpu=True) is None
+    assert stats_log_for(config, on_gpu=True).kv_device == "GPU"  # type: ignore[union-attr]
+
+
+def test_a_failing_line_is_turned_off_not_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(StatsLog):
+        def stats(self, stats: Any) -> None:
+            raise RuntimeError("broken")
+
+    recorder = StepMetricsRecorder(None, Broken("CPU"))
+    recorder.stats(_snapshot())  # logged, not raised
+    assert recorder.stats_log is None and "the stats line failed" in caplog.text
 
 
 @pytest.mark.parametrize("disabled", [False, True])
