@@ -16,7 +16,8 @@ import bisect
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -39,19 +40,44 @@ class ChatEnding:
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # The template's own variables the request sets (vLLM's chat_template_kwargs, such as
+    # Qwen3's enable_thinking), over the server's defaults.
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
             raise refusal(
                 "continue_final_message", "cannot be true together with add_generation_prompt"
             )
+        check_template_kwargs(self.template_kwargs, "chat_template_kwargs")
+
+
+# apply_chat_template's own arguments: a template variable of these names would replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+        "add_generation_prompt", "continue_final_message", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any], field_name: str) -> None:
+    """Refuses a template variable that would replace one of apply_chat_template's arguments."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise refusal(field_name, f"{reserved[0]!r} is apply_chat_template's own argument")
 
 
 class ChatTokenizer:
-    """Renders a tokenizer's chat template and tokenizes it with content kept as text."""
+    """Renders a tokenizer's chat template and tokenizes it with content kept as text;
+    `default_kwargs` are the template variables a request does not set
+    (`--default-chat-template-kwargs`)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, default_kwargs: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.default_kwargs = dict(default_kwargs or {})
         template = getattr(tokenizer, "chat_template", None)
         template_text = template if isinstance(template, str) else ""
         # A template that tests for a role by name (`message['role'] == 'developer'`) renders it.
@@ -137,6 +163,7 @@ class ChatTokenizer:
                 tokenize=False,
                 add_generation_prompt=ending.add_generation_prompt,
                 continue_final_message=ending.continue_final_message,
+                **self.template_kwargs(ending),
             )
         except (TemplateError, TypeError) as exc:
             # The template's own refusals (raise_exception) and values it cannot render are
@@ -152,6 +179,11 @@ class ChatTokenizer:
                 "the chat template does not render the final message as it is, so "
                 "it cannot be continued",
             ) from None
+
+    def template_kwargs(self, ending: ChatEnding) -> dict[str, Any]:
+        """The template variables a conversation is rendered with: the request's over the
+        server's defaults."""
+        return {**self.default_kwargs, **ending.template_kwargs}
 
     def _refuse_special_in_structure(
         self, messages: list[dict[str, Any]], tools: list[Any] | None

@@ -249,6 +249,17 @@ class EngineConfig(BaseModel):
         description="logged prompts and outputs cut to this many characters or token ids "
         "(default: whole)",
     )
+    default_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="chat template variables a request does not set in its "
+        'chat_template_kwargs, a JSON object such as {"enable_thinking": false}',
+        json_schema_extra=flags(json=True),
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="chat answers give the model's thinking (<think>...</think>) as `reasoning`, "
+        "apart from the content",
+    )
     generation_config: str = Field(
         "auto",
         description="defaults of the sampling parameters a request leaves unset: auto, from "
@@ -288,7 +299,7 @@ class EngineConfig(BaseModel):
             message = f"{value!r} looks like a path, but it cannot be read: {error}"
             raise ValueError(message) from None
 
-    @field_validator("override_generation_config", mode="before")
+    @field_validator("override_generation_config", "default_chat_template_kwargs", mode="before")
     @classmethod
     def _json_object(cls, value: Any) -> Any:
         # vLLM's flag, and `serve run key=value`, give the object as JSON text.
@@ -323,6 +334,16 @@ class EngineConfig(BaseModel):
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("kv_cache_memory_bytes: give it or kv_cache_memory_gb, not both")
         return self
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from pagedray.engine.chat_tokens import RESERVED_TEMPLATE_KWARGS
+
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is apply_chat_template's own argument")
+        return value
 
     @model_validator(mode="after")
     def _outputs_logged_with_requests(self) -> EngineConfig:

@@ -71,6 +71,7 @@ class PromptValidator:
         max_num_seqs: int,
         sampling_defaults: dict[str, Any] | None = None,
         max_tokens_cap: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # The model's defaults of the fields a request leaves unset, and the most tokens a
@@ -80,7 +81,7 @@ class PromptValidator:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
-        self.chat = ChatTokenizer(tokenizer)
+        self.chat = ChatTokenizer(tokenizer, chat_template_kwargs)
         self.chars_per_token = chars_per_token(tokenizer)
 
     def validate(self, prompt: Any, params: SamplingParams) -> ValidatedPrompt:

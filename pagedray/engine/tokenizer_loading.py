@@ -79,4 +79,5 @@ def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> 
         config.max_num_seqs,
         defaults,
         max_tokens_cap(config, defaults),
+        config.default_chat_template_kwargs,
     )

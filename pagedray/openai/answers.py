@@ -28,6 +28,7 @@ from pagedray.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from pagedray.openai.reasoning import ReasoningParser
 from pagedray.openai.serving import (
     SSE_DONE,
     LogprobFormatter,
@@ -54,6 +55,7 @@ class AnswerContext:
     echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
     echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
     tool_calls: ToolCallOutput | None = None  # chat with tools: how text becomes calls
+    reasoning: ReasoningParser | None = None  # chat: how the thinking splits from the answer
     num_prompt_tokens: int = 0  # summed over the prompts, known before any output
     # One timestamp for every chunk of the answer, as OpenAI and vLLM stamp them.
     created: int = field(default_factory=lambda: int(time.time()))
@@ -137,10 +139,13 @@ async def chat_response(
         return collected
     choices, usage = collected
     messages = [ChatResponseMessage(content=c.text) for c in choices]
+    if ctx.reasoning is not None:
+        for c, message in zip(choices, messages):
+            message.reasoning, message.content = ctx.reasoning.split(c.text)
     finish_reasons = [c.finish_reason for c in choices]
     if ctx.tool_calls is not None:
-        for i, (c, message) in enumerate(zip(choices, messages)):
-            extracted = ctx.tool_calls.extract(c.text, c.finish_reason)
+        for i, message in enumerate(messages):
+            extracted = ctx.tool_calls.extract(message.content or "", choices[i].finish_reason)
             message.content, message.tool_calls, finish_reasons[i] = extracted
     num_logprobs = ctx.num_logprobs
     return ChatCompletionResponse(
@@ -236,6 +241,8 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
         yield chunk([ChatCompletionStreamChoice(index=i, delta=role)])
     tools = ctx.tool_calls
     tool_streams = [tools.streamer() for _ in range(ctx.num_choices)] if tools else None
+    thinking = ctx.reasoning
+    reasoning_streams = [thinking.stream() for _ in range(ctx.num_choices)] if thinking else None
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
@@ -247,15 +254,19 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
             logprobs = ChatChoiceLogprobs(content=ctx.logprobs.chat(delta, ctx.num_logprobs))
         index = ctx.index(prompt_index, delta)
         message, finish_reason = DeltaMessage(content=delta.text), delta.finish_reason
+        finished = finish_reason is not None
+        if reasoning_streams is not None:
+            message.reasoning, message.content = reasoning_streams[index].feed(delta.text, finished)
         if tool_streams is not None:
-            finished = finish_reason is not None
-            message.content, message.tool_calls = tool_streams[index].feed(delta.text, finished)
+            text = message.content or ""
+            message.content, message.tool_calls = tool_streams[index].feed(text, finished)
             finish_reason = tool_streams[index].finish_reason(finish_reason)
-        quiet = not (message.content or message.tool_calls) and finish_reason is None
+        said = message.content or message.tool_calls or message.reasoning
+        quiet = not said and finish_reason is None
         if quiet and logprobs is None:
             continue
         plain = finish_reason is None and delta.stop_reason is None and logprobs is None
-        if plain and not message.tool_calls:
+        if plain and not message.tool_calls and not message.reasoning:
             yield text_only.event(index, message.content or "")  # text alone: most chunks
             continue
         choice = ChatCompletionStreamChoice(

@@ -11,7 +11,15 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 
 from pagedray.engine.chat_tokens import ChatEnding
 from pagedray.engine.sampling_defaults import SAMPLING_FIELDS
@@ -237,10 +245,13 @@ class _ChatEndingFields(BaseModel):
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
 
     def chat_ending(self) -> ChatEnding:
-        """Raises ValueError "continue_final_message: ..." for both set."""
-        return ChatEnding(self.add_generation_prompt, self.continue_final_message)
+        """Raises ValueError "continue_final_message: ..." for both set, or
+        "chat_template_kwargs: ..." for a variable that is apply_chat_template's argument."""
+        kwargs = self.chat_template_kwargs or {}
+        return ChatEnding(self.add_generation_prompt, self.continue_final_message, kwargs)
 
 
 def chat_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -358,6 +369,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # vLLM's field: the thinking (`--reasoning-parser`)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -382,6 +394,14 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None  # vLLM's field; only in a chunk that has some
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("reasoning") is None:
+            data.pop("reasoning", None)  # every chunk stays as it was without a parser
+        return data
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -27,6 +27,7 @@ from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
 from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
+from pagedray.openai.reasoning import ReasoningParser
 from pagedray.openai.request_body import BodyError
 from pagedray.openai.request_log import RequestLog, warn_if_unseen
 from pagedray.openai.response_store import ResponseStoreClient
@@ -160,6 +161,19 @@ class OpenAIServer:
         )
         streams = await self.open(ctx.request_id, [prompt], [params], body.priority, body.stream)
         return streams if isinstance(streams, Response) else (ctx, streams)
+
+    def reasoning_parser(
+        self, body: ChatCompletionRequest, params: SamplingParams
+    ) -> ReasoningParser | None:
+        """How a chat answer's thinking splits from its content (`--reasoning-parser`); None
+        without a parser, or for output held to JSON from its first token (a JSON response
+        format, forced tool calls: a grammar applies from the start here), which has no
+        thinking in it. A regex, choice or grammar the client wrote may hold the thinking."""
+        constraint = params.structured_outputs
+        if constraint is not None and constraint.key[0] == "json":
+            return None
+        template_kwargs = self.validator.chat.template_kwargs(body.chat_ending())
+        return ReasoningParser.of(self.config.reasoning_parser, template_kwargs)
 
     async def open(
         self,

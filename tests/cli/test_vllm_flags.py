@@ -82,6 +82,13 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--api-server-count", "2"], "num_ingress_replicas", 2),
     (["-asc", "3"], "num_ingress_replicas", 3),
     (["--disable-uvicorn-access-log"], "disable_uvicorn_access_log", True),
+    (["--reasoning-parser", "deepseek_r1"], "reasoning_parser", "deepseek_r1"),
+    (["--reasoning-parser", "qwen3"], "reasoning_parser", "qwen3"),
+    (
+        ["--default-chat-template-kwargs", '{"enable_thinking": false}'],
+        "default_chat_template_kwargs",
+        {"enable_thinking": False},
+    ),
     (["--data-parallel-size", "2"], "num_replicas", 2),
     (["-dp", "3"], "num_replicas", 3),
     (["--trust-remote-code"], "trust_remote_code", True),
@@ -179,6 +186,7 @@ def test_values_vllm_refuses_are_refused(capsys: pytest.CaptureFixture[str]) -> 
         ["--kv-cache-dtype", "fp8"],  # no fp8 KV cache here
         ["-pp", "2"],  # no pipeline parallelism here
         ["--distributed-executor-backend", "mp"],
+        ["--reasoning-parser", "granite"],  # not one of this server's
     ):
         with pytest.raises(SystemExit):  # by the parser, or by the settings' schema
             serve_app_args(_serve([MODEL, *flags]))

@@ -31,6 +31,7 @@ async def chat_completions(raw: Request, server: OpenAIServer = Depends(openai_s
     if isinstance(started, Response):
         return started
     ctx, streams = started
+    ctx.reasoning = server.reasoning_parser(body, streams.params[0])
     if body.stream:
         return event_stream(chat_chunks(ctx, streams))
     return json_answer(await chat_response(ctx, streams))

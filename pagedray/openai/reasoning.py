@@ -1,0 +1,96 @@
+"""A reasoning model's thinking apart from its answer (vLLM's `--reasoning-parser`): what the
+model writes between `<think>` and `</think>` becomes the chat message's `reasoning` (vLLM's
+field), the rest its `content`, whole or streamed, so clients show one and use the other.
+
+Two parsers, for the thinking models this server runs:
+- `deepseek_r1` (DeepSeek-R1 and its Llama and Qwen distillations): the template opens the
+  thinking itself, so the output may start inside it without a `<think>`; everything up to
+  `</think>` is reasoning, and an output that never closes it (cut short) is all reasoning.
+- `qwen3`: the same, unless the request turned thinking off (`chat_template_kwargs:
+  {"enable_thinking": false}`: then it is all content); a `<tool_call>` also ends the thinking,
+  so the tool parser still finds the call.
+The text is split as it arrives; a tag split across two pieces is held until it is whole, so a
+stream's pieces join into exactly the whole answer's `reasoning` and `content`. Tool calls are
+read from the content only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """How one request's output splits: whether it starts in the thinking, and what ends it."""
+
+    thinking: bool  # whether the output starts inside the thinking
+    ends: tuple[str, ...]  # what ends it: dropped (`</think>`) or kept as content (a tool call)
+
+    @classmethod
+    def of(cls, name: str | None, template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
+        """The parser `name` (`--reasoning-parser`) for a request rendered with these template
+        variables; None without one."""
+        if name is None:
+            return None
+        if name == "qwen3":
+            thinking = template_kwargs.get("enable_thinking", True) is not False
+            return cls(thinking, (THINK_END, TOOL_CALL_START))
+        if name == "deepseek_r1":
+            return cls(True, (THINK_END,))
+        raise ValueError(f"reasoning_parser: unknown {name!r}")
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output; None for an empty part."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text, finished=True)
+        return reasoning, content
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self)
+
+
+class ReasoningStream:
+    """One choice's output split as it arrives."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.thinking = parser.thinking
+        self.opened = False  # some text has been read: a `<think>` past here is text
+        self.held = ""  # the end of what arrived, which may be the start of a tag
+
+    def feed(self, text: str, finished: bool) -> tuple[str | None, str | None]:
+        """(reasoning, content) of this piece of text; `finished`: its last piece."""
+        text = self.held + text
+        self.held = ""
+        if not self.thinking:
+            return None, text or None
+        if not self.opened:
+            if THINK_START.startswith(text) and not finished:
+                self.held = text  # perhaps the opening tag, not whole yet
+                return None, None
+            if text.startswith(THINK_START):
+                text = text[len(THINK_START) :]
+            self.opened = True
+        found = [(text.find(end), end) for end in self.parser.ends if end in text]
+        if found:
+            position, end = min(found)
+            self.thinking = False
+            rest = text[position + len(end) :] if end == THINK_END else text[position:]
+            return text[:position] or None, rest or None
+        if not finished:
+            keep = _tag_prefix_length(text, self.parser.ends)
+            self.held, text = text[len(text) - keep :], text[: len(text) - keep]
+        return text or None, None
+
+
+def _tag_prefix_length(text: str, tags: tuple[str, ...]) -> int:
+    """How many of `text`'s last characters could begin one of `tags`."""
+    for length in range(min(len(text), max(len(tag) for tag in tags) - 1), 0, -1):
+        if any(tag.startswith(text[-length:]) for tag in tags):
+            return length
+    return 0

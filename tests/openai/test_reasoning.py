@@ -1,0 +1,143 @@
+"""`--reasoning-parser` (vLLM's): a thinking model's `<think>...</think>` becomes the chat
+message's `reasoning`, apart from its `content`, whole or streamed, and a stream's pieces join
+into exactly the whole answer's parts, however the text is cut; `chat_template_kwargs` (and the
+server's `--default-chat-template-kwargs`) reach the chat template, and Qwen3's
+`enable_thinking: false` makes the answer all content. Served over HTTP through the SDK, with
+output a regex holds to a thinking model's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedray.engine.config import EngineConfig
+from pagedray.openai.local_app import local_openai_app
+from pagedray.openai.reasoning import ReasoningParser
+
+R1 = ReasoningParser.of("deepseek_r1", {})
+QWEN3 = ReasoningParser.of("qwen3", {})
+QWEN3_OFF = ReasoningParser.of("qwen3", {"enable_thinking": False})
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "parts"),
+    [
+        (R1, "plan it</think>the answer", ("plan it", "the answer")),
+        (R1, "<think>plan it</think>the answer", ("plan it", "the answer")),
+        (R1, "still thinking when cut", ("still thinking when cut", None)),
+        (R1, "</think>", (None, None)),
+        (R1, "a</think>b</think>c", ("a", "b</think>c")),  # the first closes it
+        (QWEN3, "<think>x</think>y", ("x", "y")),
+        (QWEN3, 'x<tool_call>{"name": "f"}', ("x", '<tool_call>{"name": "f"}')),
+        (QWEN3_OFF, "<think>x</think>y", (None, "<think>x</think>y")),
+    ],
+)
+def test_whole_split(parser: ReasoningParser, text: str, parts: tuple[Any, Any]) -> None:
+    assert parser.split(text) == parts
+
+
+PIECES = st.lists(
+    st.sampled_from(["<", "<th", "ink>", "</", "think>", "</think>", "<think>", "a", "b c", "\n"]),
+    max_size=12,
+)
+
+
+@given(pieces=PIECES)
+def test_a_stream_joins_into_the_whole_split(pieces: list[str]) -> None:
+    for parser in (R1, QWEN3, QWEN3_OFF):
+        assert parser is not None
+        stream = parser.stream()
+        reasoning, content = "", ""
+        for i, piece in enumerate([*pieces, ""]):
+            got = stream.feed(piece, finished=i == len(pieces))
+            reasoning += got[0] or ""
+            content += got[1] or ""
+        assert (reasoning or None, content or None) == parser.split("".join(pieces))
+
+
+# What the regex holds the tiny model's output to: a thinking, then an answer.
+SHAPE = r"<think>[a-z]{3,8}</think>[a-z]{2,6}"
+MESSAGES: Any = [{"role": "user", "content": "Think, then answer."}]
+
+
+def _served(tiny_llama: str, **settings: Any) -> tuple[TestClient, openai.OpenAI]:
+    config = EngineConfig(
+        model=tiny_llama, num_kv_blocks=64, max_num_seqs=4, served_model_name=["x"], **settings
+    )
+    http = TestClient(local_openai_app(config))
+    return http, openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+
+
+def _ask(sdk: openai.OpenAI, stream: bool, **extra: Any) -> Any:
+    return sdk.chat.completions.create(
+        model="x",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0.0,
+        stream=stream,
+        extra_body={"structured_outputs": {"regex": SHAPE}, **extra},
+    )
+
+
+def test_served_reasoning_whole_and_streamed(tiny_llama: str) -> None:
+    http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
+    with http:
+        whole = _ask(sdk, stream=False).choices[0].message
+        reasoning, content = "", ""
+        for chunk in _ask(sdk, stream=True):
+            if chunk.choices:
+                delta: Any = chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning", None) or ""
+                content += delta.content or ""
+    said: Any = whole
+    assert said.reasoning and said.content
+    assert "<" not in said.reasoning + said.content  # the tags are gone
+    assert (reasoning, content) == (said.reasoning, said.content)
+    # Without a parser, the tags are the content's, and no reasoning is sent.
+    http, sdk = _served(tiny_llama)
+    with http:
+        plain: Any = _ask(sdk, stream=False).choices[0].message
+    assert plain.content == f"<think>{said.reasoning}</think>{said.content}"
+    assert plain.reasoning is None
+
+
+def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
+    tiny_llama: str, tmp_path: Any
+) -> None:
+    template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+    )
+    http, sdk = _served(
+        tiny_llama,
+        chat_template=template,
+        reasoning_parser="qwen3",
+        default_chat_template_kwargs='{"enable_thinking": false}',
+    )
+    with http:
+
+        def prompt_length(kwargs: dict[str, Any] | None) -> int:
+            body: dict[str, Any] = {"model": "x", "messages": MESSAGES}
+            if kwargs is not None:
+                body["chat_template_kwargs"] = kwargs
+            return len(http.post("/tokenize", json=body).json()["tokens"])
+
+        # The server's default renders "/no_think"; the request's own value replaces it.
+        assert prompt_length(None) > prompt_length({"enable_thinking": True})
+        off: Any = _ask(sdk, stream=False).choices[0].message
+        assert off.reasoning is None and off.content.startswith("<think>")
+        on: Any = _ask(sdk, stream=False, chat_template_kwargs={"enable_thinking": True})
+        assert on.choices[0].message.reasoning
+        refused = http.post(
+            "/v1/chat/completions",
+            json={"model": "x", "messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+        )
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "chat_template_kwargs"
+    with pytest.raises(ValueError, match="apply_chat_template's own argument"):
+        EngineConfig(model="m", default_chat_template_kwargs={"messages": []})
