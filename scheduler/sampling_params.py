@@ -15,7 +15,7 @@ from pagedray.scheduler.structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE = 1e-5
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the server's cap unless --max-logprobs sets one
 MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on |bias|
 # Bounds that keep every value representable where the sampler puts it (int32/int64 tensors,
 # float32 logits): a value past them could only fail inside a step, so it is refused here.
@@ -132,9 +132,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(
-                    0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}"
-                )
+                # NOTE: the cap is the server's (`max_logprobs`, PromptValidator.check_logprobs).
+                _check(value >= 0, name, f"must be at least 0, got {value}")
         if self.seed is not None:
             _check(
                 -(2**63) <= self.seed < 2**64,

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedray.scheduler.config import SchedulerConfig
+from pagedray.scheduler.sampling_params import MAX_LOGPROBS
 from pagedray.workers.worker_config import WorkerConfig
 
 # Weight and activation dtypes; "auto" is the checkpoint's own.
@@ -248,6 +249,12 @@ class EngineConfig(BaseModel):
         ge=0,
         description="logged prompts and outputs cut to this many characters or token ids "
         "(default: whole)",
+    )
+    max_logprobs: int = Field(
+        MAX_LOGPROBS,
+        ge=-1,
+        description="the most logprobs (top_logprobs, prompt_logprobs) a request may ask a "
+        "token (-1: the whole vocabulary)",
     )
     default_chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -15,7 +15,7 @@ from pagedray.engine.prompt_bound import chars_per_token
 from pagedray.engine.unicode_text import has_lone_surrogate
 from pagedray.scheduler.limits import check_max_tokens, check_n, check_prompt_length
 from pagedray.scheduler.request_failure import refusal
-from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class PromptValidator:
         sampling_defaults: dict[str, Any] | None = None,
         max_tokens_cap: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.tokenizer = tokenizer
         # The model's defaults of the fields a request leaves unset, and the most tokens a
@@ -82,6 +83,7 @@ class PromptValidator:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.chat = ChatTokenizer(tokenizer, chat_template_kwargs)
+        self.max_logprobs = max_logprobs  # per token; -1: the whole vocabulary (vLLM's)
         self.chars_per_token = chars_per_token(tokenizer)
 
     def validate(self, prompt: Any, params: SamplingParams) -> ValidatedPrompt:
@@ -126,6 +128,15 @@ class PromptValidator:
                     f"token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
                 )
         check_n(self.max_num_seqs, params.n)
+        for name in ("logprobs", "prompt_logprobs"):
+            self.check_logprobs(name, getattr(params, name))
+
+    def check_logprobs(self, field: str, value: int | None) -> None:
+        """Refuse more logprobs a token than `max_logprobs` (`--max-logprobs`) allows."""
+        if value is not None and 0 <= self.max_logprobs < value:
+            raise refusal(
+                field, f"{value} exceeds this server's max_logprobs of {self.max_logprobs}"
+            )
 
     def encode(
         self, text: str, add_special_tokens: bool = True, field: str = "prompt"

@@ -80,4 +80,5 @@ def make_validator(config: EngineConfig, tokenizer: Any, max_model_len: int) -> 
         defaults,
         max_tokens_cap(config, defaults),
         config.default_chat_template_kwargs,
+        config.max_logprobs,
     )

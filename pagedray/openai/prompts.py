@@ -55,6 +55,7 @@ def chat_prompt(
 ) -> tuple[SamplingParams, ValidatedPrompt]:
     """Sampling parameters and the conversation's validated prompt (content read as text)."""
     params = body.to_sampling_params(validator.sampling_defaults)
+    validator.check_logprobs("top_logprobs", body.top_logprobs)  # named as the client sent it
     token_ids = chat_token_ids(validator, body)
     prompt = validator.validate(
         {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params

@@ -33,7 +33,6 @@ from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -55,7 +54,7 @@ def _bounded(default: Any, **schema: Any) -> Any:
 
 _TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_INT32}
 _COUNT = {"minimum": 1, "maximum": MAX_INT32}
-_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}
+_LOGPROBS = {"minimum": 0}  # and at most the server's --max-logprobs
 _PENALTY = {"minimum": -2.0, "maximum": 2.0}
 
 
@@ -273,10 +272,8 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
             raise refusal("top_logprobs", "requires logprobs to be true")
         # Checked here too, not only by `SamplingParams`, which knows them by other names
         # (`logprobs`, `max_tokens`): the error names the field the client sent.
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise refusal(
-                "top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
-            )
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise refusal("top_logprobs", f"must be at least 0, got {self.top_logprobs}")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise refusal(
                 "max_completion_tokens", f"must be at least 1, got {self.max_completion_tokens}"

@@ -82,6 +82,8 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--api-server-count", "2"], "num_ingress_replicas", 2),
     (["-asc", "3"], "num_ingress_replicas", 3),
     (["--disable-uvicorn-access-log"], "disable_uvicorn_access_log", True),
+    (["--max-logprobs", "50"], "max_logprobs", 50),
+    (["--max-logprobs", "-1"], "max_logprobs", -1),
     (["--reasoning-parser", "deepseek_r1"], "reasoning_parser", "deepseek_r1"),
     (["--reasoning-parser", "qwen3"], "reasoning_parser", "qwen3"),
     (

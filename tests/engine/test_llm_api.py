@@ -98,7 +98,7 @@ def test_bad_prompt_raises_and_allocates_nothing(llm: LLM, prompt, params, field
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": 5}, "stop"),
-        ({"logprobs": 99}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"logit_bias": {3: 100.5}}, "logit_bias"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {"3": 1.0}}, "logit_bias"),
@@ -121,6 +121,21 @@ def test_bad_prompt_raises_and_allocates_nothing(llm: LLM, prompt, params, field
 def test_bad_sampling_params_name_field_and_limit(kwargs, field) -> None:
     with pytest.raises(ValueError, match=f"^{field}: "):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_past_max_logprobs_are_refused(llm: LLM, tiny_llama: str) -> None:
+    """vLLM's `max_logprobs` (20 by default, -1 the whole vocabulary) caps every token's."""
+    prompt = {"prompt_token_ids": _ids(4, seed=3)}
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{name}: 21 exceeds this server's max_logprobs"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, **{name: 21}), use_tqdm=False)
+    assert llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=20), use_tqdm=False)
+    wide = LLM(tiny_llama, num_kv_blocks=16, max_logprobs=-1)
+    try:
+        out = wide.generate(prompt, SamplingParams(max_tokens=1, logprobs=100), use_tqdm=False)
+        assert len(out[0].outputs[0].logprobs[0]) >= 100  # the sampled token and the top 100
+    finally:
+        wide.shutdown()
 
 
 def test_stop_string_is_found_across_tokens_and_not_returned(llm: LLM) -> None:

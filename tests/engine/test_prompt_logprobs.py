@@ -97,4 +97,4 @@ def test_prompt_logprobs_at_tp2(ray_cluster, tiny_llama: str) -> None:
 
 def test_bad_prompt_logprobs_is_refused() -> None:
     with pytest.raises(ValueError, match="^prompt_logprobs: "):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)

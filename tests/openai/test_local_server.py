@@ -197,3 +197,25 @@ def test_force_include_usage_ends_every_stream_with_its_usage(
     usages = streamed_usages()
     assert [usage.completion_tokens for usage in usages] == [3, 3]
     assert usages[1].prompt_tokens == len(PROMPT)
+
+
+def test_max_logprobs_caps_what_a_request_asks(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's `--max-logprobs` (20 by default): more is a 400 naming the field the client sent;
+    a server that allows more gives them."""
+    messages: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as chat:
+        sdk.chat.completions.create(
+            model="x", messages=messages, max_tokens=2, logprobs=True, top_logprobs=21
+        )
+    assert chat.value.body["param"] == "top_logprobs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as text:
+        sdk.completions.create(model="x", prompt="hi", max_tokens=2, logprobs=21)
+    assert text.value.body["param"] == "logprobs"  # type: ignore[index]
+    monkeypatch.setattr(served[1].validator, "max_logprobs", 30)
+    wide = sdk.chat.completions.create(
+        model="x", messages=messages, max_tokens=2, logprobs=True, top_logprobs=25
+    )
+    assert wide.choices[0].logprobs is not None and wide.choices[0].logprobs.content
+    assert all(len(token.top_logprobs) == 25 for token in wide.choices[0].logprobs.content)
