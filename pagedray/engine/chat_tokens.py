@@ -52,22 +52,28 @@ class ChatEnding:
         check_template_kwargs(self.template_kwargs, "chat_template_kwargs")
 
 
-# apply_chat_template's own arguments: a template variable of these names would replace them.
+# Template variables a request may not set: apply_chat_template's own arguments (transformers
+# 5's, and those of its other versions), which they would replace, and the tokenizer's special
+# tokens, which transformers passes to the template (`{{ bos_token }}`): a request's value there
+# would render as a control token outside any message's content.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
-        "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-        "add_generation_prompt", "continue_final_message", "padding", "truncation",
-        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
+        "self", "conversation", "conversations", "messages", "tools", "documents",
+        "chat_template", "tokenize", "sanitize_control_tokens", "add_generation_prompt",
+        "continue_final_message", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs",
+        "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+        "mask_token", "additional_special_tokens",
     }
 )  # fmt: skip
 
 
 def check_template_kwargs(kwargs: Mapping[str, Any], field_name: str) -> None:
-    """Refuses a template variable that would replace one of apply_chat_template's arguments."""
+    """Refuses a template variable that replaces one of apply_chat_template's arguments or
+    the tokenizer's special tokens."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
-        raise refusal(field_name, f"{reserved[0]!r} is apply_chat_template's own argument")
+        raise refusal(field_name, f"{reserved[0]!r} is not a variable a request may set")
 
 
 class ChatTokenizer:
@@ -130,7 +136,7 @@ class ChatTokenizer:
             text = self.render(messages, tools, ending)
         if self._special_re is None:  # no special tokens at all: nothing to forge
             return self.tokenizer.encode(text, add_special_tokens=False)
-        self._refuse_special_in_structure(messages, tools)
+        self._refuse_special_in_structure(messages, tools, ending)
         spans = self._content_spans(messages, text, tools, ending)
         if spans is None or self._text_backend is None:
             # The template rewrites the content, or the tokenizer has no offsets: content with a
@@ -186,13 +192,18 @@ class ChatTokenizer:
         return {**self.default_kwargs, **ending.template_kwargs}
 
     def _refuse_special_in_structure(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, ending: ChatEnding
     ) -> None:
-        """Tool definitions and tool calls are rendered as JSON outside any content span, so a
-        special-token string there would become a control token: such a request is refused."""
+        """Tool definitions, tool calls and the request's template variables are rendered
+        outside any content span, so a special-token string there would become a control
+        token: such a request is refused."""
         assert self._special_re is not None
         if tools and self._special_re.search(json.dumps(tools, ensure_ascii=False)):
             raise refusal("tools", "a tool definition contains a special token string")
+        if ending.template_kwargs and self._special_re.search(
+            json.dumps(ending.template_kwargs, ensure_ascii=False)
+        ):  # rendered where the template puts them, outside any content
+            raise refusal("chat_template_kwargs", "a value contains a special token string")
         for i, message in enumerate(messages):
             structure = {k: v for k, v in message.items() if k not in ("role", "content")}
             if structure and self._special_re.search(json.dumps(structure, ensure_ascii=False)):

@@ -349,7 +349,7 @@ class EngineConfig(BaseModel):
 
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
         if reserved:
-            raise ValueError(f"{reserved[0]!r} is apply_chat_template's own argument")
+            raise ValueError(f"{reserved[0]!r} is not a variable a request may set")
         return value
 
     @model_validator(mode="after")

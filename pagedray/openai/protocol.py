@@ -265,6 +265,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
     max_completion_tokens: int | None = _bounded(None, **_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = _bounded(None, **_LOGPROBS)
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning (--reasoning-parser)
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

@@ -9,9 +9,13 @@ Two parsers, for the thinking models this server runs:
 - `qwen3`: the same, unless the request turned thinking off (`chat_template_kwargs:
   {"enable_thinking": false}`: then it is all content); a `<tool_call>` also ends the thinking,
   so the tool parser still finds the call.
-The text is split as it arrives; a tag split across two pieces is held until it is whole, so a
-stream's pieces join into exactly the whole answer's `reasoning` and `content`. Tool calls are
-read from the content only.
+As vLLM, the prompt decides where the output starts: after a prompt whose thinking is closed
+already (a prefill that closed it, Qwen3's template with thinking off) it starts in the content;
+so does output a regex, choice or grammar holds from its first token (a grammar applies from the
+start here, where vLLM applies it after the thinking). Either enters the thinking only on a
+leading `<think>`. The text is split as it arrives; a tag split across two pieces is held until
+it is whole, so a stream's pieces join into exactly the whole answer's `reasoning` and
+`content`. Tool calls are read from the content only.
 """
 
 from __future__ import annotations
@@ -28,20 +32,32 @@ TOOL_CALL_START = "<tool_call>"
 class ReasoningParser:
     """How one request's output splits: whether it starts in the thinking, and what ends it."""
 
-    thinking: bool  # whether the output starts inside the thinking
+    thinking: bool  # whether the output starts inside the thinking (else: on a leading tag)
     ends: tuple[str, ...]  # what ends it: dropped (`</think>`) or kept as content (a tool call)
+    shown: bool = True  # False: the reasoning is split off and dropped (vLLM's include_reasoning)
 
     @classmethod
-    def of(cls, name: str | None, template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
+    def of(
+        cls,
+        name: str | None,
+        template_kwargs: Mapping[str, Any],
+        prompt_tail: str = "",
+        constrained: bool = False,
+        shown: bool = True,
+    ) -> ReasoningParser | None:
         """The parser `name` (`--reasoning-parser`) for a request rendered with these template
-        variables; None without one."""
+        variables, whose prompt ends with `prompt_tail`, its output held by a grammar from the
+        first token or not; None without one, or with Qwen3's thinking turned off."""
         if name is None:
             return None
+        closed = prompt_tail.rfind(THINK_END) > prompt_tail.rfind(THINK_START)
+        starts_inside = not (closed or constrained)
         if name == "qwen3":
-            thinking = template_kwargs.get("enable_thinking", True) is not False
-            return cls(thinking, (THINK_END, TOOL_CALL_START))
+            if template_kwargs.get("enable_thinking", True) is False:
+                return None  # all content, as vLLM's
+            return cls(starts_inside, (THINK_END, TOOL_CALL_START), shown)
         if name == "deepseek_r1":
-            return cls(True, (THINK_END,))
+            return cls(starts_inside, (THINK_END,), shown)
         raise ValueError(f"reasoning_parser: unknown {name!r}")
 
     def split(self, text: str) -> tuple[str | None, str | None]:
@@ -65,17 +81,21 @@ class ReasoningStream:
 
     def feed(self, text: str, finished: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of this piece of text; `finished`: its last piece."""
+        reasoning, content = self._split(text, finished)
+        return (reasoning if self.parser.shown else None), content
+
+    def _split(self, text: str, finished: bool) -> tuple[str | None, str | None]:
         text = self.held + text
         self.held = ""
-        if not self.thinking:
-            return None, text or None
         if not self.opened:
             if THINK_START.startswith(text) and not finished:
                 self.held = text  # perhaps the opening tag, not whole yet
                 return None, None
             if text.startswith(THINK_START):
-                text = text[len(THINK_START) :]
+                text, self.thinking = text[len(THINK_START) :], True
             self.opened = True
+        if not self.thinking:
+            return None, text or None
         found = [(text.find(end), end) for end in self.parser.ends if end in text]
         if found:
             position, end = min(found)

@@ -44,6 +44,8 @@ from pagedray.scheduler.sampling_params import SamplingParams
 # Threads per server that parse bodies and (de)tokenize, off the event loop: a huge prompt then
 # delays only the requests queued behind it here, never /health or a stream.
 TOKENIZER_THREADS = 4
+# The prompt's last tokens, read for whether its thinking is open (`_reasoning_parser`).
+PROMPT_TAIL_TOKENS = 32
 # Tokens per engine message of a non-streamed request with stop strings: the server finds them,
 # so it needs the tokens before the end, but not one message per token.
 STOP_CHECK_INTERVAL = 8
@@ -133,11 +135,12 @@ class OpenAIServer:
         return [ModelCard(id=n, root=self.config.model, max_model_len=max_model_len) for n in names]
 
     async def start_chat(
-        self, request_id: str, body: ChatCompletionRequest
+        self, request_id: str, body: ChatCompletionRequest, split_reasoning: bool = False
     ) -> tuple[AnswerContext, EngineStreams] | Response:
         """Template, tokenize and validate a chat request, then submit it; the error response if
         it is refused. Chat completions, the Responses API and Anthropic's Messages API all
-        come through here."""
+        come through here; `split_reasoning`: the answer's thinking is split off as the
+        `--reasoning-parser` says (chat completions)."""
         await self.learn_limits()
         try:
             params, prompt = await self.in_thread(chat_prompt, self.validator, body)
@@ -159,21 +162,29 @@ class OpenAIServer:
                 self.tokenizer.chat_template,
             ),
         )
+        if split_reasoning:
+            ctx.reasoning = self._reasoning_parser(body, params, prompt.token_ids)
         streams = await self.open(ctx.request_id, [prompt], [params], body.priority, body.stream)
         return streams if isinstance(streams, Response) else (ctx, streams)
 
-    def reasoning_parser(
-        self, body: ChatCompletionRequest, params: SamplingParams
+    def _reasoning_parser(
+        self, body: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
     ) -> ReasoningParser | None:
-        """How a chat answer's thinking splits from its content (`--reasoning-parser`); None
-        without a parser, or for output held to JSON from its first token (a JSON response
-        format, forced tool calls: a grammar applies from the start here), which has no
-        thinking in it. A regex, choice or grammar the client wrote may hold the thinking."""
+        """How a chat answer's thinking splits from its content; None without a parser, or for
+        output held to JSON from its first token (a JSON response format, forced tool calls),
+        which has no thinking in it. Where the output starts is read from the prompt's end."""
+        if self.config.reasoning_parser is None:
+            return None
         constraint = params.structured_outputs
         if constraint is not None and constraint.key[0] == "json":
             return None
-        template_kwargs = self.validator.chat.template_kwargs(body.chat_ending())
-        return ReasoningParser.of(self.config.reasoning_parser, template_kwargs)
+        return ReasoningParser.of(
+            self.config.reasoning_parser,
+            self.validator.chat.template_kwargs(body.chat_ending()),
+            self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
+            constrained=constraint is not None,
+            shown=body.include_reasoning,
+        )
 
     async def open(
         self,

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from pagedray.engine.config import EngineConfig
 from pagedray.openai.local_app import local_openai_app
@@ -21,7 +22,10 @@ from pagedray.openai.reasoning import ReasoningParser
 
 R1 = ReasoningParser.of("deepseek_r1", {})
 QWEN3 = ReasoningParser.of("qwen3", {})
-QWEN3_OFF = ReasoningParser.of("qwen3", {"enable_thinking": False})
+# Output that starts in the content: after a prompt whose thinking is closed, or held by a regex.
+AFTER_CLOSED = ReasoningParser.of("deepseek_r1", {}, prompt_tail="<think>\nhmm</think>\n\nSo")
+HELD = ReasoningParser.of("qwen3", {}, constrained=True)
+HIDDEN = ReasoningParser.of("deepseek_r1", {}, shown=False)  # include_reasoning: false
 
 
 @pytest.mark.parametrize(
@@ -34,27 +38,46 @@ QWEN3_OFF = ReasoningParser.of("qwen3", {"enable_thinking": False})
         (R1, "a</think>b</think>c", ("a", "b</think>c")),  # the first closes it
         (QWEN3, "<think>x</think>y", ("x", "y")),
         (QWEN3, 'x<tool_call>{"name": "f"}', ("x", '<tool_call>{"name": "f"}')),
-        (QWEN3_OFF, "<think>x</think>y", (None, "<think>x</think>y")),
+        (AFTER_CLOSED, "the answer", (None, "the answer")),
+        (AFTER_CLOSED, "<think>again</think>then", ("again", "then")),
+        (HELD, "yes", (None, "yes")),
+        (HELD, "<think>x</think>y", ("x", "y")),
+        (HIDDEN, "plan it</think>the answer", (None, "the answer")),
     ],
 )
 def test_whole_split(parser: ReasoningParser, text: str, parts: tuple[Any, Any]) -> None:
     assert parser.split(text) == parts
 
 
+def test_where_the_output_starts() -> None:
+    assert ReasoningParser.of(None, {}) is None
+    assert ReasoningParser.of("qwen3", {"enable_thinking": False}) is None  # all content
+    assert R1 is not None and R1.thinking  # the template opened it: "<think>\n" ends the prompt
+    opened = ReasoningParser.of("deepseek_r1", {}, prompt_tail="<｜Assistant｜><think>\n")
+    assert opened is not None and opened.thinking
+    assert AFTER_CLOSED is not None and not AFTER_CLOSED.thinking
+
+
 PIECES = st.lists(
-    st.sampled_from(["<", "<th", "ink>", "</", "think>", "</think>", "<think>", "a", "b c", "\n"]),
+    st.sampled_from(
+        ["<", "<th", "ink>", "</", "think>", "</think>", "<think>", "a", "b c", "\n"]
+        + ["<tool", "_call>", "<tool_call>", "{}"]
+    ),
+    min_size=1,
     max_size=12,
 )
 
 
-@given(pieces=PIECES)
-def test_a_stream_joins_into_the_whole_split(pieces: list[str]) -> None:
-    for parser in (R1, QWEN3, QWEN3_OFF):
+@given(pieces=PIECES, last_empty=st.booleans())
+def test_a_stream_joins_into_the_whole_split(pieces: list[str], last_empty: bool) -> None:
+    """However the text is cut, and whether the last piece has text or not."""
+    pieces = [*pieces, ""] if last_empty else pieces
+    for parser in (R1, QWEN3, AFTER_CLOSED, HELD):
         assert parser is not None
         stream = parser.stream()
         reasoning, content = "", ""
-        for i, piece in enumerate([*pieces, ""]):
-            got = stream.feed(piece, finished=i == len(pieces))
+        for i, piece in enumerate(pieces):
+            got = stream.feed(piece, finished=i == len(pieces) - 1)
             reasoning += got[0] or ""
             content += got[1] or ""
         assert (reasoning or None, content or None) == parser.split("".join(pieces))
@@ -98,6 +121,20 @@ def test_served_reasoning_whole_and_streamed(tiny_llama: str) -> None:
     assert said.reasoning and said.content
     assert "<" not in said.reasoning + said.content  # the tags are gone
     assert (reasoning, content) == (said.reasoning, said.content)
+    # Output held to a choice from its first token starts in the content; include_reasoning
+    # false drops the reasoning.
+    http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
+    with http:
+        chose: Any = sdk.chat.completions.create(
+            model="x",
+            messages=MESSAGES,
+            max_tokens=5,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )
+        hidden: Any = _ask(sdk, stream=False, include_reasoning=False).choices[0].message
+    assert chose.choices[0].message.content in ("yes", "no")
+    assert chose.choices[0].message.reasoning is None
+    assert (hidden.reasoning, hidden.content) == (None, said.content)
     # Without a parser, the tags are the content's, and no reasoning is sent.
     http, sdk = _served(tiny_llama)
     with http:
@@ -133,11 +170,15 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
         assert off.reasoning is None and off.content.startswith("<think>")
         on: Any = _ask(sdk, stream=False, chat_template_kwargs={"enable_thinking": True})
         assert on.choices[0].message.reasoning
-        refused = http.post(
-            "/v1/chat/completions",
-            json={"model": "x", "messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
-        )
-        assert refused.status_code == 400
-        assert refused.json()["error"]["param"] == "chat_template_kwargs"
-    with pytest.raises(ValueError, match="apply_chat_template's own argument"):
+        # A variable that is one of apply_chat_template's arguments or a special token's name,
+        # or a value holding a special token string (it would render as a control token).
+        eos = AutoTokenizer.from_pretrained(tiny_llama).eos_token
+        for kwargs in ({"tokenize": True}, {"bos_token": "x"}, {"enable_thinking": eos}):
+            refused = http.post(
+                "/v1/chat/completions",
+                json={"model": "x", "messages": MESSAGES, "chat_template_kwargs": kwargs},
+            )
+            assert refused.status_code == 400, kwargs
+            assert refused.json()["error"]["param"] == "chat_template_kwargs"
+    with pytest.raises(ValueError, match="not a variable a request may set"):
         EngineConfig(model="m", default_chat_template_kwargs={"messages": []})

@@ -27,11 +27,10 @@ async def chat_completions(raw: Request, server: OpenAIServer = Depends(openai_s
     body = await server.generation_body(raw, ChatCompletionRequest, request_id)
     if isinstance(body, Response):
         return body
-    started = await server.start_chat(request_id, body)
+    started = await server.start_chat(request_id, body, split_reasoning=True)
     if isinstance(started, Response):
         return started
     ctx, streams = started
-    ctx.reasoning = server.reasoning_parser(body, streams.params[0])
     if body.stream:
         return event_stream(chat_chunks(ctx, streams))
     return json_answer(await chat_response(ctx, streams))
