@@ -26,9 +26,10 @@ from pagedray.openai.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     UsageInfo,
 )
-from pagedray.openai.reasoning import ReasoningParser
+from pagedray.openai.reasoning import ReasoningParser, ReasoningStream
 from pagedray.openai.serving import (
     SSE_DONE,
     LogprobFormatter,
@@ -37,7 +38,7 @@ from pagedray.openai.serving import (
     sse,
 )
 from pagedray.openai.text_chunks import TextChunkTemplate
-from pagedray.openai.tool_calls import ToolCallOutput
+from pagedray.openai.tool_calls import ChoiceToolStream, ToolCallOutput
 from pagedray.scheduler.request_failure import RequestFailure
 
 
@@ -76,6 +77,42 @@ class AnswerContext:
             return None
         token_ids = self.echo_token_ids[index // self.n]
         return self.logprobs.prompt(token_ids, delta.prompt_logprobs)
+
+
+@dataclass
+class ChoiceParts:
+    """One streamed choice's text as an answer shows it: the thinking (`--reasoning-parser`),
+    the content, and the tool calls read from the content only. What every streamed chat-based
+    answer (chat completions, Responses, Messages) reads its deltas through."""
+
+    reasoning: ReasoningStream | None
+    tools: ChoiceToolStream | None
+
+    @classmethod
+    def of(cls, ctx: AnswerContext) -> ChoiceParts:
+        reasoning = ctx.reasoning.stream() if ctx.reasoning is not None else None
+        tools = ctx.tool_calls.streamer() if ctx.tool_calls is not None else None
+        return cls(reasoning, tools)
+
+    def feed(
+        self, text: str, finished: bool
+    ) -> tuple[str | None, str | None, list[DeltaToolCall] | None]:
+        """(reasoning, content, tool-call deltas) of a piece of text; `finished`: its last."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text, finished)
+        calls = None
+        if self.tools is not None:
+            content, calls = self.tools.feed(content or "", finished)
+        return reasoning, content, calls
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return self.tools.finish_reason(finish_reason) if self.tools is not None else finish_reason
+
+    @property
+    def made_calls(self) -> bool:
+        return self.tools is not None and self.tools.made_calls
 
 
 async def _collect(
@@ -239,10 +276,7 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
     for i in range(ctx.num_choices):
         role = DeltaMessage(role="assistant", content="")
         yield chunk([ChatCompletionStreamChoice(index=i, delta=role)])
-    tools = ctx.tool_calls
-    tool_streams = [tools.streamer() for _ in range(ctx.num_choices)] if tools else None
-    thinking = ctx.reasoning
-    reasoning_streams = [thinking.stream() for _ in range(ctx.num_choices)] if thinking else None
+    parts = [ChoiceParts.of(ctx) for _ in range(ctx.num_choices)]
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
@@ -253,14 +287,9 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
         if ctx.num_logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=ctx.logprobs.chat(delta, ctx.num_logprobs))
         index = ctx.index(prompt_index, delta)
-        message, finish_reason = DeltaMessage(content=delta.text), delta.finish_reason
-        finished = finish_reason is not None
-        if reasoning_streams is not None:
-            message.reasoning, message.content = reasoning_streams[index].feed(delta.text, finished)
-        if tool_streams is not None:
-            text = message.content or ""
-            message.content, message.tool_calls = tool_streams[index].feed(text, finished)
-            finish_reason = tool_streams[index].finish_reason(finish_reason)
+        reasoning, content, calls = parts[index].feed(delta.text, delta.finish_reason is not None)
+        message = DeltaMessage(content=content, tool_calls=calls, reasoning=reasoning)
+        finish_reason = parts[index].finish_reason(delta.finish_reason)
         said = message.content or message.tool_calls or message.reasoning
         quiet = not said and finish_reason is None
         if quiet and logprobs is None:

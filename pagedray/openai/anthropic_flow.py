@@ -13,7 +13,13 @@ import json
 import secrets
 from typing import Any, AsyncIterator
 
-from pagedray.openai.answers import AnswerContext, StreamError, chat_response, choice_deltas
+from pagedray.openai.answers import (
+    AnswerContext,
+    ChoiceParts,
+    StreamError,
+    chat_response,
+    choice_deltas,
+)
 from pagedray.openai.anthropic_errors import anthropic_error
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.protocol import ChatCompletionResponse
@@ -204,15 +210,15 @@ async def message_events(
     yield event("message_start", {"type": "message_start", "message": start})
     yield event("ping", {"type": "ping"})
     blocks = _Blocks()
-    tools = ctx.tool_calls.streamer() if ctx.tool_calls is not None else None
+    # NOTE: the thinking (--reasoning-parser) is split off and not sent: no thinking blocks yet.
+    parts = ChoiceParts.of(ctx)
     finish: tuple[str | None, str | int | None] = (None, None)
     try:
         async for _, delta, usage in choice_deltas(streams):
             if delta is None:
                 for text in blocks.stop():
                     yield text
-                made_calls = tools.made_calls if tools is not None else False
-                reason = stop_reason(finish[0], finish[1], made_calls)
+                reason = stop_reason(finish[0], finish[1], parts.made_calls)
                 sequence = finish[1] if reason == "stop_sequence" else None
                 data = {
                     "type": "message_delta",
@@ -223,10 +229,7 @@ async def message_events(
                 yield event("message_stop", {"type": "message_stop"})
                 return
             finished = delta.finish_reason is not None
-            content: str | None = delta.text
-            calls = None
-            if tools is not None:
-                content, calls = tools.feed(delta.text, finished)
+            _, content, calls = parts.feed(delta.text, finished)
             if finished:
                 finish = (delta.finish_reason, delta.stop_reason)
             for text in _content_events(blocks, content, calls):

@@ -14,7 +14,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 
-from pagedray.openai.answers import AnswerContext, StreamError, chat_response, choice_deltas
+from pagedray.openai.answers import (
+    AnswerContext,
+    ChoiceParts,
+    StreamError,
+    chat_response,
+    choice_deltas,
+)
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.response_objects import (
     ResponseEventStream,
@@ -83,7 +89,8 @@ async def response_events(
     )
     for event in events.start():
         yield sse_event(event)
-    tools = ctx.tool_calls.streamer() if ctx.tool_calls is not None else None
+    # NOTE: the thinking (--reasoning-parser) is split off and not sent: no reasoning items yet.
+    parts = ChoiceParts.of(ctx)
     finish_reason: str | None = None
     try:
         async for _, delta, usage in choice_deltas(streams):
@@ -96,13 +103,9 @@ async def response_events(
                     yield sse_event(event)
                 return
             finished = delta.finish_reason is not None
-            content: str | None = delta.text
-            calls = None
-            if tools is not None:
-                content, calls = tools.feed(delta.text, finished)
+            _, content, calls = parts.feed(delta.text, finished)
             if finished:
-                finish_reason = delta.finish_reason
-                finish_reason = tools.finish_reason(finish_reason) if tools else finish_reason
+                finish_reason = parts.finish_reason(delta.finish_reason)
             for event in events.text(content or ""):
                 yield sse_event(event)
             for call in calls or []:

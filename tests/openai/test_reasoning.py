@@ -182,3 +182,33 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
             assert refused.json()["error"]["param"] == "chat_template_kwargs"
     with pytest.raises(ValueError, match="not a variable a request may set"):
         EngineConfig(model="m", default_chat_template_kwargs={"messages": []})
+
+
+def test_responses_and_messages_leave_the_thinking_out(tiny_llama: str) -> None:
+    """Their text is the content's, whole and streamed alike: the random model never closes
+    its thinking, so with deepseek_r1 all it writes is thinking, which chat shows as reasoning."""
+    http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
+    with http:
+        chat: Any = sdk.chat.completions.create(
+            model="x", messages=MESSAGES, max_tokens=6, temperature=0.0
+        )
+        response = sdk.responses.create(
+            model="x", input="Think, then answer.", max_output_tokens=6, temperature=0.0
+        )
+        events = list(
+            sdk.responses.create(
+                model="x",
+                input="Think, then answer.",
+                max_output_tokens=6,
+                temperature=0.0,
+                stream=True,
+            )
+        )
+        body = {"model": "x", "max_tokens": 6, "messages": MESSAGES, "temperature": 0.0}
+        message = http.post("/v1/messages", json=body).json()
+        streamed = http.post("/v1/messages", json={**body, "stream": True}).text
+    assert chat.choices[0].message.reasoning and chat.choices[0].message.content is None
+    assert response.output_text == ""
+    assert not [e for e in events if e.type == "response.output_text.delta" and e.delta]
+    assert not [block for block in message["content"] if block.get("text")]
+    assert '"text_delta"' not in streamed

@@ -45,7 +45,7 @@ async def create_message(raw: Request, server: OpenAIServer = Depends(openai_ser
     chat = _chat_request(to_chat_body(body), body.stream)
     if isinstance(chat, Response):
         return chat
-    started = await server.start_chat(message_id, chat)
+    started = await server.start_chat(message_id, chat, split_reasoning=True)
     if isinstance(started, Response):
         return renamed_fields(started, CHAT_TO_ANTHROPIC_FIELDS)
     ctx, streams = started

@@ -50,7 +50,7 @@ async def create_response(raw: Request, server: OpenAIServer = Depends(openai_se
         chat = ChatCompletionRequest.model_validate({**chat_body, "stream": body.stream})
     except ValidationError as exc:
         return in_responses_terms(bad_request(exc))
-    started = await server.start_chat(response_id, chat)
+    started = await server.start_chat(response_id, chat, split_reasoning=True)
     if isinstance(started, Response):
         return in_responses_terms(started)
     # The Response echoes the sampling the request got: the model's defaults where it set none,
