@@ -17,8 +17,11 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from pagedray.engine.config import EngineConfig
+from pagedray.openai.answers import AnswerContext, ChoiceParts
 from pagedray.openai.local_app import local_openai_app
 from pagedray.openai.reasoning import ReasoningParser
+from pagedray.openai.serving import LogprobFormatter
+from pagedray.openai.tool_calls import ToolCallOutput
 
 R1 = ReasoningParser.of("deepseek_r1", {})
 QWEN3 = ReasoningParser.of("qwen3", {})
@@ -212,3 +215,40 @@ def test_responses_and_messages_leave_the_thinking_out(tiny_llama: str) -> None:
     assert not [e for e in events if e.type == "response.output_text.delta" and e.delta]
     assert not [block for block in message["content"] if block.get("text")]
     assert '"text_delta"' not in streamed
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "thinking"),
+    [
+        # deepseek_r1: a call written while thinking is thinking; the one after it is a call.
+        ("deepseek_r1", f"<think>I could {CALL}?</think>{CALL}", f"I could {CALL}?"),
+        # qwen3: the thinking ends at </think>, or at a <tool_call> (vLLM's qwen3 rule).
+        ("qwen3", f"<think>I could call f</think>\n{CALL}", "I could call f"),
+        ("qwen3", f"<think>I will call f{CALL}", "I will call f"),
+    ],
+)
+def test_tool_calls_are_read_from_the_content_only(name: str, text: str, thinking: str) -> None:
+    """Whole and streamed alike (ChoiceParts, which every streamed chat-based answer reads its
+    text through)."""
+    tools = ToolCallOutput.of(TOOLS, "auto", "hermes", None)
+    assert tools is not None
+    ctx = AnswerContext("r", "x", 1, 1, LogprobFormatter(None), None, tool_calls=tools)
+    ctx.reasoning = ReasoningParser.of(name, {})
+    assert ctx.reasoning is not None
+    reasoning, content = ctx.reasoning.split(text)
+    assert reasoning == thinking
+    _, whole_calls, whole_reason = tools.extract(content or "", "stop")
+    assert whole_calls is not None and [call.function.name for call in whole_calls] == ["f"]
+    assert whole_reason == "tool_calls"
+    parts = ChoiceParts.of(ctx)
+    streamed, names = "", []
+    for i in range(0, len(text), 5):
+        piece, _, calls = parts.feed(text[i : i + 5], i + 5 >= len(text))
+        streamed += piece or ""
+        names += [c.function.name for c in calls or [] if c.function and c.function.name]
+    assert (streamed, names) == (thinking, ["f"])
+    assert parts.finish_reason("stop") == "tool_calls"
