@@ -27,8 +27,9 @@ def new_response_id() -> str:
     return "resp_" + secrets.token_hex(24)
 
 
-def new_item_id(prefix: Literal["msg", "fc"]) -> str:
-    """An output item id: `msg_…` for a message, `fc_…` for a function call."""
+def new_item_id(prefix: Literal["msg", "fc", "rs"]) -> str:
+    """An output item id: `msg_…` for a message, `fc_…` for a function call, `rs_…` for the
+    model's reasoning."""
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
@@ -52,6 +53,13 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
         "role": "assistant",
         "content": content,
     }
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """The model's thinking (`--reasoning-parser`), as OpenAI's open-weight models and vLLM give
+    it: a `reasoning` item with one `reasoning_text` part (none while it is only added)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def output_text_part(text: str) -> dict[str, Any]:
@@ -98,10 +106,14 @@ def build_response(
     finish_reason: str | None,
     usage: dict,
     status: str | None = None,
+    reasoning: str | None = None,
 ) -> dict:
-    """The whole Response for a finished generation (`tool_calls` in chat format)."""
+    """The whole Response for a finished generation (`tool_calls` in chat format), its
+    reasoning first."""
     status = status or response_status(finish_reason)
     output: list[dict[str, Any]] = []
+    if reasoning:
+        output.append(reasoning_item(new_item_id("rs"), reasoning, "completed"))
     if text:
         output.append(message_item(new_item_id("msg"), text, "completed"))
     for call in tool_calls:
@@ -209,17 +221,21 @@ def error_event(message: str, code: str | None, sequence_number: int = 0) -> dic
 
 @dataclass
 class _OutputItem:
-    """One output item as it streams: a message's text, or a function call's arguments."""
+    """One output item as it streams: a message's text, a function call's arguments, or the
+    model's reasoning."""
 
     output_index: int
     item_id: str
-    call_id: str | None  # None for a message
+    call_id: str | None  # None for a message or reasoning
     name: str = ""
     parts: list[str] = field(default_factory=list)  # text or argument fragments
     status: str = "in_progress"
+    reasoning: bool = False
 
     def to_dict(self, with_content: bool = True) -> dict[str, Any]:
         text = "".join(self.parts)
+        if self.reasoning:
+            return reasoning_item(self.item_id, text if with_content else None, self.status)
         if self.call_id is None:
             return message_item(self.item_id, text if with_content else None, self.status)
         return function_call_item(self.item_id, self.call_id, self.name, text, self.status)
@@ -228,9 +244,10 @@ class _OutputItem:
 class ResponseEventStream:
     """The events of one streamed response, numbered from 0, fed by a chat generation's deltas.
 
-    Call `start()`, then `text()` / `tool_call()` per delta, then `finish()`; each returns the
-    events to send. A message is open until a tool call starts; calls stay open until `finish()`,
-    as chat deltas of parallel calls may interleave.
+    Call `start()`, then `reasoning()` / `text()` / `tool_call()` per delta, then `finish()`;
+    each returns the events to send. The reasoning is open until the text or a call starts, a
+    message until a tool call starts; calls stay open until `finish()`, as chat deltas of
+    parallel calls may interleave.
     """
 
     def __init__(
@@ -250,6 +267,7 @@ class ResponseEventStream:
         self._sequence_number = 0
         self._items: list[_OutputItem] = []
         self._message: _OutputItem | None = None  # the open message, if any
+        self._reasoning: _OutputItem | None = None  # the open reasoning, if any
         self._calls: dict[int, _OutputItem] = {}  # by the chat delta's tool call index
         self._final: dict[str, Any] | None = None
 
@@ -260,11 +278,28 @@ class ResponseEventStream:
             self._event("response.in_progress", response=self._response("in_progress", None)),
         ]
 
+    def reasoning(self, delta: str) -> list[dict]:
+        """A reasoning delta, opening a reasoning item first if none is open."""
+        if not delta:
+            return []
+        events = []
+        item = self._reasoning
+        if item is None:
+            item = self._reasoning = self._add_item(None, "", reasoning=True)
+            events.append(self._item_event("response.output_item.added", item))
+        item.parts.append(delta)
+        events.append(
+            self._event(
+                "response.reasoning_text.delta", **self._where(item), content_index=0, delta=delta
+            )
+        )
+        return events
+
     def text(self, delta: str) -> list[dict]:
         """A text delta, opening a message item first if none is open."""
         if not delta:
             return []
-        events = []
+        events = self._end_reasoning()
         message = self._message
         if message is None:
             message = self._message = self._add_item(None, "")
@@ -283,7 +318,7 @@ class ResponseEventStream:
         self, index: int, call_id: str | None, name: str | None, arguments: str
     ) -> list[dict]:
         """A chat tool-call delta; a new `index` closes an open message and adds a call item."""
-        events = []
+        events = self._end_reasoning()
         call = self._calls.get(index)
         if call is None:
             if self._message is not None:
@@ -328,10 +363,21 @@ class ResponseEventStream:
             raise RuntimeError("final_response: the stream has not finished")
         return self._final
 
+    def _end_reasoning(self) -> list[dict]:
+        """The open reasoning's end, once the answer starts."""
+        if self._reasoning is None:
+            return []
+        self._reasoning.status = "completed"
+        return self._close(self._reasoning)
+
     def _close(self, item: _OutputItem) -> list[dict]:
         """The events that end `item`, whose final status is already set."""
         where = self._where(item)
         text = "".join(item.parts)
+        if item.reasoning:
+            self._reasoning = None
+            done = self._event("response.reasoning_text.done", **where, content_index=0, text=text)
+            return [done, self._item_event("response.output_item.done", item)]
         if item.call_id is None:
             self._message = None
             done = self._event(
@@ -344,9 +390,11 @@ class ResponseEventStream:
         )
         return [done, self._item_event("response.output_item.done", item)]
 
-    def _add_item(self, call_id: str | None, name: str) -> _OutputItem:
-        item_id = new_item_id("msg" if call_id is None else "fc")
-        item = _OutputItem(len(self._items), item_id, call_id, name)
+    def _add_item(self, call_id: str | None, name: str, reasoning: bool = False) -> _OutputItem:
+        prefix: Literal["msg", "fc", "rs"] = "rs" if reasoning else "fc" if call_id else "msg"
+        item = _OutputItem(
+            len(self._items), new_item_id(prefix), call_id, name, reasoning=reasoning
+        )
         self._items.append(item)
         return item
 

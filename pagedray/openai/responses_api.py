@@ -21,7 +21,7 @@ from pagedray.scheduler.request_failure import refusal
 NUM_INSTRUCTION_MESSAGES_KEY = "num_instruction_messages"
 
 _TEXT_PART_TYPES = ("input_text", "output_text")
-_ITEM_TYPES = ("message", "function_call", "function_call_output")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 # ---- request ---------------------------------------------------------------------------------
 
@@ -68,6 +68,15 @@ class FunctionCallOutputItem(BaseModel):
     output: str
 
 
+class ReasoningInputItem(BaseModel):
+    """An earlier answer's reasoning item, sent back with its output: accepted and left out of
+    the conversation, as thinking models' templates leave earlier thinking out."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning"]
+
+
 def _item_type(item: Any) -> str:
     if isinstance(item, dict):
         return str(item.get("type", "message"))
@@ -77,7 +86,8 @@ def _item_type(item: Any) -> str:
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -248,7 +258,7 @@ def _input_messages(input_items: str | list[Any]) -> list[dict[str, Any]]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
 

@@ -73,6 +73,7 @@ async def whole_response(
         tool_calls=calls,
         finish_reason=choice.finish_reason,
         usage=result.usage.model_dump(),
+        reasoning=choice.message.reasoning,
     )
     if save is not None:
         await save(response, job.record(response))
@@ -89,8 +90,7 @@ async def response_events(
     )
     for event in events.start():
         yield sse_event(event)
-    # NOTE: the thinking (--reasoning-parser) is split off and not sent: no reasoning items yet.
-    parts = ChoiceParts.of(ctx)
+    parts = ChoiceParts.of(ctx)  # the thinking (--reasoning-parser) becomes a reasoning item
     finish_reason: str | None = None
     try:
         async for _, delta, usage in choice_deltas(streams):
@@ -103,9 +103,11 @@ async def response_events(
                     yield sse_event(event)
                 return
             finished = delta.finish_reason is not None
-            _, content, calls = parts.feed(delta.text, finished)
+            reasoning, content, calls = parts.feed(delta.text, finished)
             if finished:
                 finish_reason = parts.finish_reason(delta.finish_reason)
+            for event in events.reasoning(reasoning or ""):
+                yield sse_event(event)
             for event in events.text(content or ""):
                 yield sse_event(event)
             for call in calls or []:

@@ -187,9 +187,13 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
         EngineConfig(model="m", default_chat_template_kwargs={"messages": []})
 
 
-def test_responses_and_messages_leave_the_thinking_out(tiny_llama: str) -> None:
+def test_responses_give_a_reasoning_item_and_messages_leave_the_thinking_out(
+    tiny_llama: str,
+) -> None:
     """Their text is the content's, whole and streamed alike: the random model never closes
-    its thinking, so with deepseek_r1 all it writes is thinking, which chat shows as reasoning."""
+    its thinking, so with deepseek_r1 all it writes is thinking, which chat shows as reasoning,
+    the Responses API as a reasoning item (accepted back as input), and Anthropic's Messages
+    API leaves out (no thinking blocks yet)."""
     http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
     with http:
         chat: Any = sdk.chat.completions.create(
@@ -207,14 +211,27 @@ def test_responses_and_messages_leave_the_thinking_out(tiny_llama: str) -> None:
                 stream=True,
             )
         )
+        echoed = [item.model_dump(exclude_none=True) for item in response.output]
+        again = http.post(
+            "/v1/responses",
+            json={"model": "x", "input": [*echoed, {"role": "user", "content": "And?"}]},
+        )
         body = {"model": "x", "max_tokens": 6, "messages": MESSAGES, "temperature": 0.0}
         message = http.post("/v1/messages", json=body).json()
-        streamed = http.post("/v1/messages", json={**body, "stream": True}).text
-    assert chat.choices[0].message.reasoning and chat.choices[0].message.content is None
+        message_events = http.post("/v1/messages", json={**body, "stream": True}).text
+    thinking = chat.choices[0].message.reasoning
+    assert thinking and chat.choices[0].message.content is None
     assert response.output_text == ""
+    (item,) = response.output
+    assert item.type == "reasoning" and item.content is not None
+    assert [part.text for part in item.content] == [thinking]
+    assert item.status == "incomplete"  # cut short by max_output_tokens while thinking
     assert not [e for e in events if e.type == "response.output_text.delta" and e.delta]
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == thinking
+    assert again.status_code == 200, again.text
     assert not [block for block in message["content"] if block.get("text")]
-    assert '"text_delta"' not in streamed
+    assert '"text_delta"' not in message_events
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
