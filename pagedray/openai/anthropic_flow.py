@@ -127,6 +127,8 @@ def message_of(message_id: str, result: ChatCompletionResponse) -> dict[str, Any
     """A chat completion (one choice) as a Message."""
     choice = result.choices[0]
     content: list[dict[str, Any]] = []
+    if choice.message.reasoning:  # --reasoning-parser: the thinking first, as Claude's
+        content.append(thinking_block(choice.message.reasoning))
     if choice.message.content:
         content.append({"type": "text", "text": choice.message.content})
     calls = choice.message.tool_calls or []
@@ -158,6 +160,13 @@ def message_of(message_id: str, result: ChatCompletionResponse) -> dict[str, Any
     }
 
 
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """The model's thinking as Anthropic's extended thinking gives it. Its `signature` (which
+    Anthropic's API checks when the block is sent back) is a random token, as vLLM's: a block
+    sent back is accepted and left out of the conversation here."""
+    return {"type": "thinking", "thinking": thinking, "signature": secrets.token_hex(16)}
+
+
 # ---- the stream of events ------------------------------------------------------------------------
 
 
@@ -172,7 +181,7 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.count = 0
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
 
     def start(self, block: dict[str, Any]) -> list[str]:
         events = self.stop()
@@ -187,10 +196,14 @@ class _Blocks:
     def stop(self) -> list[str]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":  # its signature last, as Anthropic's stream sends it
+            signature = thinking_block("")["signature"]
+            events.append(self.delta({"type": "signature_delta", "signature": signature}))
         self.open = None
         self.count += 1
         data = {"type": "content_block_stop", "index": self.count - 1}
-        return [event("content_block_stop", data)]
+        return [*events, event("content_block_stop", data)]
 
 
 async def message_events(
@@ -210,8 +223,7 @@ async def message_events(
     yield event("message_start", {"type": "message_start", "message": start})
     yield event("ping", {"type": "ping"})
     blocks = _Blocks()
-    # NOTE: the thinking (--reasoning-parser) is split off and not sent: no thinking blocks yet.
-    parts = ChoiceParts.of(ctx)
+    parts = ChoiceParts.of(ctx)  # the thinking (--reasoning-parser) becomes a thinking block
     finish: tuple[str | None, str | int | None] = (None, None)
     try:
         async for _, delta, usage in choice_deltas(streams):
@@ -229,17 +241,23 @@ async def message_events(
                 yield event("message_stop", {"type": "message_stop"})
                 return
             finished = delta.finish_reason is not None
-            _, content, calls = parts.feed(delta.text, finished)
+            reasoning, content, calls = parts.feed(delta.text, finished)
             if finished:
                 finish = (delta.finish_reason, delta.stop_reason)
-            for text in _content_events(blocks, content, calls):
+            for text in _content_events(blocks, reasoning, content, calls):
                 yield text
     except StreamError as exc:
         yield event("error", anthropic_error(failure_status(exc.failure), exc.failure.message))
 
 
-def _content_events(blocks: _Blocks, content: str | None, calls: list[Any] | None) -> list[str]:
+def _content_events(
+    blocks: _Blocks, reasoning: str | None, content: str | None, calls: list[Any] | None
+) -> list[str]:
     events: list[str] = []
+    if reasoning:
+        if blocks.open != "thinking":
+            events += blocks.start({"type": "thinking", "thinking": "", "signature": ""})
+        events.append(blocks.delta({"type": "thinking_delta", "thinking": reasoning}))
     if content:
         if blocks.open != "text":
             events += blocks.start({"type": "text", "text": ""})

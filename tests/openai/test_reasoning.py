@@ -7,6 +7,7 @@ output a regex holds to a thinking model's shape."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -187,13 +188,11 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
         EngineConfig(model="m", default_chat_template_kwargs={"messages": []})
 
 
-def test_responses_give_a_reasoning_item_and_messages_leave_the_thinking_out(
-    tiny_llama: str,
-) -> None:
+def test_responses_give_a_reasoning_item_and_messages_a_thinking_block(tiny_llama: str) -> None:
     """Their text is the content's, whole and streamed alike: the random model never closes
     its thinking, so with deepseek_r1 all it writes is thinking, which chat shows as reasoning,
-    the Responses API as a reasoning item (accepted back as input), and Anthropic's Messages
-    API leaves out (no thinking blocks yet)."""
+    the Responses API as a reasoning item and Anthropic's Messages API as a thinking block
+    (each accepted back as input)."""
     http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
     with http:
         chat: Any = sdk.chat.completions.create(
@@ -219,6 +218,10 @@ def test_responses_give_a_reasoning_item_and_messages_leave_the_thinking_out(
         body = {"model": "x", "max_tokens": 6, "messages": MESSAGES, "temperature": 0.0}
         message = http.post("/v1/messages", json=body).json()
         message_events = http.post("/v1/messages", json={**body, "stream": True}).text
+        turns = [*MESSAGES, {"role": "assistant", "content": message["content"]}]
+        follow = http.post(
+            "/v1/messages", json={**body, "messages": [*turns, {"role": "user", "content": "And?"}]}
+        )
     thinking = chat.choices[0].message.reasoning
     assert thinking and chat.choices[0].message.content is None
     assert response.output_text == ""
@@ -230,8 +233,16 @@ def test_responses_give_a_reasoning_item_and_messages_leave_the_thinking_out(
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == thinking
     assert again.status_code == 200, again.text
-    assert not [block for block in message["content"] if block.get("text")]
-    assert '"text_delta"' not in message_events
+    (block,) = message["content"]
+    assert block["type"] == "thinking" and block["thinking"] == thinking and block["signature"]
+    data = [
+        json.loads(line[6:]) for line in message_events.splitlines() if line.startswith("data: ")
+    ]
+    deltas = [d["delta"] for d in data if d["type"] == "content_block_delta"]
+    assert "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta") == thinking
+    assert [d["type"] for d in deltas][-1] == "signature_delta"  # the block's last delta
+    assert not [d for d in deltas if d["type"] == "text_delta"]
+    assert follow.status_code == 200, follow.text
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
