@@ -245,11 +245,20 @@ class _ChatEndingFields(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
+    # OpenAI's; as vLLM, the template gets it, and `enable_thinking` (false for "none") unless
+    # chat_template_kwargs sets that itself.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
 
     def chat_ending(self) -> ChatEnding:
         """Raises ValueError "continue_final_message: ..." for both set, or
         "chat_template_kwargs: ..." for a variable that is apply_chat_template's argument."""
-        kwargs = self.chat_template_kwargs or {}
+        kwargs: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            effort = self.reasoning_effort
+            kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        kwargs |= self.chat_template_kwargs or {}
         return ChatEnding(self.add_generation_prompt, self.continue_final_message, kwargs)
 
 

@@ -174,6 +174,13 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
         assert off.reasoning is None and off.content.startswith("<think>")
         on: Any = _ask(sdk, stream=False, chat_template_kwargs={"enable_thinking": True})
         assert on.choices[0].message.reasoning
+        # OpenAI's reasoning_effort, as vLLM reads it: "none" turns the thinking off, any other
+        # value on, unless chat_template_kwargs says otherwise.
+        for effort, thinks in (("low", True), ("none", False)):
+            answer: Any = _ask(sdk, stream=False, reasoning_effort=effort)
+            assert bool(answer.choices[0].message.reasoning) == thinks, effort
+        kept_off = {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
+        assert _ask(sdk, stream=False, **kept_off).choices[0].message.reasoning is None
         # A variable that is one of apply_chat_template's arguments or a special token's name,
         # or a value holding a special token string (it would render as a control token).
         eos = AutoTokenizer.from_pretrained(tiny_llama).eos_token
