@@ -87,6 +87,11 @@ class ChoiceParts:
 
     reasoning: ReasoningStream | None
     tools: ChoiceToolStream | None
+    # Leading content of whitespace alone (the "\n\n" a model writes after `</think>`), held
+    # until it is known to begin an answer: before tool calls it is dropped, as the whole
+    # answer's parser drops it, so no stream opens an empty message or text block for it.
+    held_space: str = ""
+    said: bool = False
 
     @classmethod
     def of(cls, ctx: AnswerContext) -> ChoiceParts:
@@ -105,7 +110,22 @@ class ChoiceParts:
         calls = None
         if self.tools is not None:
             content, calls = self.tools.feed(content or "", finished)
-        return reasoning, content, calls
+        return reasoning, self._leading_space_held(content, bool(calls), finished), calls
+
+    def _leading_space_held(self, content: str | None, calls: bool, finished: bool) -> str | None:
+        if self.said:
+            return content
+        if content and content.strip():
+            self.said = True
+            content, self.held_space = self.held_space + content, ""
+            return content
+        self.held_space += content or ""
+        if calls or self.made_calls:
+            self.held_space = ""  # whitespace before the calls: no content
+        if finished and self.held_space:  # an answer of whitespace alone is still its answer
+            content, self.held_space = self.held_space, ""
+            return content
+        return None
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         return self.tools.finish_reason(finish_reason) if self.tools is not None else finish_reason

@@ -26,7 +26,6 @@ CHAT_TO_ANTHROPIC_FIELDS = {
     "continue_final_message": "messages",
     "response_format": "output_config",
 }
-_BLOCK_TYPES_DROPPED = ("thinking", "redacted_thinking")  # a model that does not think: no use
 # Blocks a text model cannot take: refused with a message naming them.
 _BLOCK_TYPES_REFUSED = ("image", "document", "search_result", "container_upload")
 
@@ -65,7 +64,8 @@ class ToolResultBlock(_Block):
 
 
 class ThinkingBlock(_Block):
-    """An earlier turn's reasoning, echoed back by clients: accepted and left out."""
+    """An earlier turn's reasoning, echoed back by clients: accepted and left out, as thinking
+    models' templates leave earlier thinking out."""
 
     type: Literal["thinking", "redacted_thinking"]
 
@@ -128,7 +128,7 @@ class OutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    # `effort` changes nothing for a model that does not think.
+    # `effort` is not read: `thinking` turns a thinking model's thinking off.
     model_config = ConfigDict(extra="ignore")
 
     format: OutputFormat | None = None
@@ -143,7 +143,7 @@ class Metadata(BaseModel):
 class _Conversation(BaseModel):
     """What both routes read: the conversation, its system prompt and its tools."""
 
-    # Unknown fields (thinking, service_tier, container, ...) change nothing here.
+    # Unknown fields (service_tier, container, ...) change nothing here.
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -171,6 +171,9 @@ class MessagesRequest(_Conversation):
     stream: bool = False
     output_config: OutputConfig | None = None
     metadata: Metadata | None = None
+    # {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}: disabled turns a thinking
+    # model's thinking off (reasoning_effort "none", as vLLM maps it); the budget is not held.
+    thinking: dict[str, Any] | None = None
     # Anthropic's API no longer documents these (its SDK 2.x does not send them); older clients
     # do, and they still shape sampling here.
     temperature: float | None = Field(None, ge=0.0, le=1.0)
@@ -239,6 +242,8 @@ def to_chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
             "user": request.metadata.user_id if request.metadata else None,
         }
         body.update({key: value for key, value in optional.items() if value is not None})
+        if request.thinking is not None and request.thinking.get("type") == "disabled":
+            body["reasoning_effort"] = "none"
         output_format = request.output_config.format if request.output_config else None
         if output_format is not None:
             json_schema = {"name": "output", "schema": output_format.schema_, "strict": True}

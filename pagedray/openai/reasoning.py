@@ -10,7 +10,8 @@ Two parsers, for the thinking models this server runs:
   {"enable_thinking": false}`: then it is all content); a `<tool_call>` also ends the thinking,
   so the tool parser still finds the call.
 As vLLM, the prompt decides where the output starts: after a prompt whose thinking is closed
-already (a prefill that closed it, Qwen3's template with thinking off) it starts in the content;
+already (a prefill that closed it, Qwen3's template with thinking off) it starts in the content,
+and so does the continuation of a prefill that opened none (Anthropic's prefill, `{` for JSON);
 so does output a regex, choice or grammar holds from its first token (a grammar applies from the
 start here, where vLLM applies it after the thinking). Either enters the thinking only on a
 leading `<think>`. The text is split as it arrives; a tag split across two pieces is held until
@@ -44,14 +45,19 @@ class ReasoningParser:
         prompt_tail: str = "",
         constrained: bool = False,
         shown: bool = True,
+        continues: bool = False,
     ) -> ReasoningParser | None:
         """The parser `name` (`--reasoning-parser`) for a request rendered with these template
         variables, whose prompt ends with `prompt_tail`, its output held by a grammar from the
-        first token or not; None without one, or with Qwen3's thinking turned off."""
+        first token or not, continuing the final message it was given (a prefill) or not; None
+        without one, or with Qwen3's thinking turned off."""
         if name is None:
             return None
-        closed = prompt_tail.rfind(THINK_END) > prompt_tail.rfind(THINK_START)
-        starts_inside = not (closed or constrained)
+        start, end = prompt_tail.rfind(THINK_START), prompt_tail.rfind(THINK_END)
+        if continues:  # a prefill continues inside the thinking only if it opened one
+            starts_inside = start > end and not constrained
+        else:
+            starts_inside = not (end > start or constrained)
         if name == "qwen3":
             if template_kwargs.get("enable_thinking", True) is False:
                 return None  # all content, as vLLM's

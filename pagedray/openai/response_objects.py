@@ -58,8 +58,13 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
 def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """The model's thinking (`--reasoning-parser`), as OpenAI's open-weight models and vLLM give
     it: a `reasoning` item with one `reasoning_text` part (none while it is only added)."""
-    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    content = [] if text is None else [reasoning_text_part(text)]
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def reasoning_text_part(text: str) -> dict[str, Any]:
+    """A reasoning item's text content part."""
+    return {"type": "reasoning_text", "text": text}
 
 
 def output_text_part(text: str) -> dict[str, Any]:
@@ -184,7 +189,7 @@ def response_object(
         "output": output,
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": request.previous_response_id,
-        "reasoning": None,
+        "reasoning": request.reasoning,
         "store": request.store,
         # The sampler's neutral defaults when neither the request nor the model gives one (the
         # route fills in the model's, engine/sampling_defaults.py).
@@ -287,6 +292,7 @@ class ResponseEventStream:
         if item is None:
             item = self._reasoning = self._add_item(None, "", reasoning=True)
             events.append(self._item_event("response.output_item.added", item))
+            events.append(self._part_event("response.content_part.added", item))
         item.parts.append(delta)
         events.append(
             self._event(
@@ -377,7 +383,8 @@ class ResponseEventStream:
         if item.reasoning:
             self._reasoning = None
             done = self._event("response.reasoning_text.done", **where, content_index=0, text=text)
-            return [done, self._item_event("response.output_item.done", item)]
+            part_done = self._part_event("response.content_part.done", item)
+            return [done, part_done, self._item_event("response.output_item.done", item)]
         if item.call_id is None:
             self._message = None
             done = self._event(
@@ -411,9 +418,11 @@ class ResponseEventStream:
         item_dict = item.to_dict(with_content=event_type != "response.output_item.added")
         return self._event(event_type, output_index=item.output_index, item=item_dict)
 
-    def _part_event(self, event_type: str, message: _OutputItem) -> dict:
-        part = output_text_part("".join(message.parts))
-        return self._event(event_type, **self._where(message), content_index=0, part=part)
+    def _part_event(self, event_type: str, item: _OutputItem) -> dict:
+        """A content part's event: a message's text part, or a reasoning item's."""
+        text = "".join(item.parts)
+        part = reasoning_text_part(text) if item.reasoning else output_text_part(text)
+        return self._event(event_type, **self._where(item), content_index=0, part=part)
 
     def _response(self, status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
         output = [] if status == "in_progress" else [item.to_dict() for item in self._items]

@@ -148,7 +148,8 @@ class TextConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """A `POST /v1/responses` body; `reasoning`, `truncation` and `include` are ignored."""
+    """A `POST /v1/responses` body; `reasoning.effort` becomes chat's `reasoning_effort`
+    (`truncation` and `include` are ignored)."""
 
     # Unknown fields are ignored, as OpenAI clients send fields that do not change sampling.
     model_config = ConfigDict(extra="ignore")
@@ -167,6 +168,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -229,6 +231,7 @@ def to_chat_body(request: ResponsesRequest, history: list[dict] | None) -> dict:
         "top_p": request.top_p,
         "seed": request.seed,
         "user": request.user,
+        "reasoning_effort": (request.reasoning or {}).get("effort"),
     }
     body.update({key: value for key, value in optional.items() if value is not None})
     # NOTE: OpenAI's chat API refuses an empty `tools` and a `tool_choice` without tools.

@@ -140,7 +140,7 @@ class OpenAIServer:
         """Template, tokenize and validate a chat request, then submit it; the error response if
         it is refused. Chat completions, the Responses API and Anthropic's Messages API all
         come through here; `split_reasoning`: the answer's thinking is split off as the
-        `--reasoning-parser` says (chat completions)."""
+        `--reasoning-parser` says."""
         await self.learn_limits()
         try:
             params, prompt = await self.in_thread(chat_prompt, self.validator, body)
@@ -184,6 +184,7 @@ class OpenAIServer:
             self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
             constrained=constraint is not None,
             shown=body.include_reasoning,
+            continues=body.continue_final_message,
         )
 
     async def open(

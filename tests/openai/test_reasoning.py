@@ -60,6 +60,10 @@ def test_where_the_output_starts() -> None:
     opened = ReasoningParser.of("deepseek_r1", {}, prompt_tail="<｜Assistant｜><think>\n")
     assert opened is not None and opened.thinking
     assert AFTER_CLOSED is not None and not AFTER_CLOSED.thinking
+    # A prefill continues inside the thinking only if it opened one (Anthropic's `{`).
+    for tail, inside in (("<｜Assistant｜>{", False), ("<｜Assistant｜><think>\nplan", True)):
+        continued = ReasoningParser.of("deepseek_r1", {}, prompt_tail=tail, continues=True)
+        assert continued is not None and continued.thinking == inside
 
 
 PIECES = st.lists(
@@ -239,6 +243,21 @@ def test_responses_give_a_reasoning_item_and_messages_a_thinking_block(tiny_llam
     assert not [e for e in events if e.type == "response.output_text.delta" and e.delta]
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == thinking
+    # The reasoning item's events in order, its text part added before its deltas (what
+    # openai-node's accumulator needs).
+    kinds = [
+        e.type for e in events if "reasoning" in e.type or "part" in e.type or "item" in e.type
+    ]
+    assert kinds[:3] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+    ]
+    assert kinds[-3:] == [
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert again.status_code == 200, again.text
     (block,) = message["content"]
     assert block["type"] == "thinking" and block["thinking"] == thinking and block["signature"]
@@ -287,3 +306,39 @@ def test_tool_calls_are_read_from_the_content_only(name: str, text: str, thinkin
         names += [c.function.name for c in calls or [] if c.function and c.function.name]
     assert (streamed, names) == (thinking, ["f"])
     assert parts.finish_reason("stop") == "tool_calls"
+
+
+def test_whitespace_before_a_call_opens_no_content() -> None:
+    """Qwen3's "</think>\n\n<tool_call>": streamed, the blank line is no content (the whole
+    answer's parser drops it too), so no stream opens an empty message or text block; an answer
+    of whitespace alone is still sent."""
+    tools = ToolCallOutput.of(TOOLS, "auto", "hermes", None)
+    ctx = AnswerContext("r", "x", 1, 1, LogprobFormatter(None), None, tool_calls=tools)
+    ctx.reasoning = QWEN3
+    text = f"<think>plan</think>\n\n{CALL}"
+    parts = ChoiceParts.of(ctx)
+    contents = [parts.feed(text[i : i + 4], i + 4 >= len(text))[1] for i in range(0, len(text), 4)]
+    assert [c for c in contents if c] == []
+    ctx.tool_calls = None
+    parts = ChoiceParts.of(ctx)
+    pieces = [parts.feed(piece, last) for piece, last in (("x</think>", False), ("\n", True))]
+    assert [p[1] for p in pieces] == [None, "\n"]
+
+
+def test_each_api_turns_qwen3_thinking_off_by_its_own_field(tiny_llama: str) -> None:
+    """OpenAI's reasoning.effort "none" (Responses) and Anthropic's thinking disabled reach
+    Qwen3's enable_thinking, as vLLM maps them: the answer is all text; left alone, the random
+    model's output is all thinking (it never closes it)."""
+    http, sdk = _served(tiny_llama, reasoning_parser="qwen3")
+    with http:
+        effort: Any = {"effort": "none"}
+        off = sdk.responses.create(model="x", input="Hi", max_output_tokens=4, reasoning=effort)
+        on = sdk.responses.create(model="x", input="Hi", max_output_tokens=4)
+        body = {"model": "x", "max_tokens": 4, "messages": MESSAGES}
+        disabled = {**body, "thinking": {"type": "disabled"}}
+        unthinking = http.post("/v1/messages", json=disabled).json()
+        thinking = http.post("/v1/messages", json=body).json()
+    assert [item.type for item in off.output] == ["message"]
+    assert [item.type for item in on.output] == ["reasoning"]
+    assert [block["type"] for block in unthinking["content"]] == ["text"]
+    assert [block["type"] for block in thinking["content"]] == ["thinking"]
