@@ -87,9 +87,10 @@ class ChoiceParts:
 
     reasoning: ReasoningStream | None
     tools: ChoiceToolStream | None
-    # Leading content of whitespace alone (the "\n\n" a model writes after `</think>`), held
-    # until it is known to begin an answer: before tool calls it is dropped, as the whole
-    # answer's parser drops it, so no stream opens an empty message or text block for it.
+    # With tools, leading content of whitespace alone (the "\n\n" a model writes after
+    # `</think>`, before its calls) is held until text follows it, and dropped if none does, as
+    # the whole answer's parser drops content of whitespace alone: no stream opens an empty
+    # message or text block for it.
     held_space: str = ""
     said: bool = False
 
@@ -110,21 +111,18 @@ class ChoiceParts:
         calls = None
         if self.tools is not None:
             content, calls = self.tools.feed(content or "", finished)
-        return reasoning, self._leading_space_held(content, bool(calls), finished), calls
+        return reasoning, self._leading_space_held(content, finished), calls
 
-    def _leading_space_held(self, content: str | None, calls: bool, finished: bool) -> str | None:
-        if self.said:
+    def _leading_space_held(self, content: str | None, finished: bool) -> str | None:
+        if self.tools is None or self.said:
             return content
         if content and content.strip():
             self.said = True
             content, self.held_space = self.held_space + content, ""
             return content
         self.held_space += content or ""
-        if calls or self.made_calls:
-            self.held_space = ""  # whitespace before the calls: no content
-        if finished and self.held_space:  # an answer of whitespace alone is still its answer
-            content, self.held_space = self.held_space, ""
-            return content
+        if finished:
+            self.held_space = ""  # whitespace alone is no content where tools are read
         return None
 
     def finish_reason(self, finish_reason: str | None) -> str | None:

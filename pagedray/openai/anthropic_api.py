@@ -149,6 +149,9 @@ class _Conversation(BaseModel):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    # {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}: disabled turns a thinking
+    # model's thinking off (reasoning_effort "none", as vLLM maps it); the budget is not held.
+    thinking: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
 
@@ -171,9 +174,6 @@ class MessagesRequest(_Conversation):
     stream: bool = False
     output_config: OutputConfig | None = None
     metadata: Metadata | None = None
-    # {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}: disabled turns a thinking
-    # model's thinking off (reasoning_effort "none", as vLLM maps it); the budget is not held.
-    thinking: dict[str, Any] | None = None
     # Anthropic's API no longer documents these (its SDK 2.x does not send them); older clients
     # do, and they still shape sampling here.
     temperature: float | None = Field(None, ge=0.0, le=1.0)
@@ -232,6 +232,8 @@ def to_chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     if request.tools:
         body["tools"] = [_chat_tool(tool) for tool in request.tools]
         _add_tool_choice(body, request.tool_choice)
+    if request.thinking is not None and request.thinking.get("type") == "disabled":
+        body["reasoning_effort"] = "none"  # counted as the Messages call renders it too
     if isinstance(request, MessagesRequest):
         body["max_tokens"] = request.max_tokens
         optional = {
@@ -242,8 +244,6 @@ def to_chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
             "user": request.metadata.user_id if request.metadata else None,
         }
         body.update({key: value for key, value in optional.items() if value is not None})
-        if request.thinking is not None and request.thinking.get("type") == "disabled":
-            body["reasoning_effort"] = "none"
         output_format = request.output_config.format if request.output_config else None
         if output_format is not None:
             json_schema = {"name": "output", "schema": output_format.schema_, "strict": True}

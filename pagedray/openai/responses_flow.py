@@ -128,6 +128,7 @@ CHAT_TO_RESPONSES_FIELDS = {
     "max_completion_tokens": "max_output_tokens",
     "messages": "input",
     "response_format": "text",
+    "reasoning_effort": "reasoning.effort",
 }
 
 

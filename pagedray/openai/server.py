@@ -178,13 +178,21 @@ class OpenAIServer:
         constraint = params.structured_outputs
         if constraint is not None and constraint.key[0] == "json":
             return None
+        continues = body.continue_final_message
+        # A prefill's own text says whether it opened a thinking, however long it is; else the
+        # rendered prompt's end does (a template that opened or closed it).
+        tail = (
+            body.messages[-1].as_template_input()["content"]
+            if continues
+            else self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        )
         return ReasoningParser.of(
             self.config.reasoning_parser,
             self.validator.chat.template_kwargs(body.chat_ending()),
-            self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
+            tail,
             constrained=constraint is not None,
             shown=body.include_reasoning,
-            continues=body.continue_final_message,
+            continues=continues,
         )
 
     async def open(

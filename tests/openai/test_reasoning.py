@@ -199,6 +199,23 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
         EngineConfig(model="m", default_chat_template_kwargs={"messages": []})
 
 
+def test_a_prefill_continues_in_the_thinking_only_if_it_opened_one(tiny_llama: str) -> None:
+    """However long the prefill: its own text says whether it opened a thinking."""
+    http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
+
+    def continued(prefill: str) -> Any:
+        messages = [*MESSAGES, {"role": "assistant", "content": prefill}]
+        flags = {"add_generation_prompt": False, "continue_final_message": True}
+        body = {"model": "x", "messages": messages, "max_tokens": 4, **flags}
+        return http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+
+    with http:
+        json_prefill = continued("{")
+        thinking_prefill = continued("<think>\n" + "let me see " * 40)
+    assert json_prefill["reasoning"] is None and json_prefill["content"]
+    assert thinking_prefill["reasoning"] and thinking_prefill["content"] is None
+
+
 def test_responses_give_a_reasoning_item_and_messages_a_thinking_block(tiny_llama: str) -> None:
     """Their text is the content's, whole and streamed alike: the random model never closes
     its thinking, so with deepseek_r1 all it writes is thinking, which chat shows as reasoning,
@@ -319,10 +336,20 @@ def test_whitespace_before_a_call_opens_no_content() -> None:
     parts = ChoiceParts.of(ctx)
     contents = [parts.feed(text[i : i + 4], i + 4 >= len(text))[1] for i in range(0, len(text), 4)]
     assert [c for c in contents if c] == []
-    ctx.tool_calls = None
+    # Text after the calls keeps the whitespace before it, as the whole answer does.
+    after = f"\n\n{CALL}\n\nDone"
+    ctx.reasoning = None
     parts = ChoiceParts.of(ctx)
-    pieces = [parts.feed(piece, last) for piece, last in (("x</think>", False), ("\n", True))]
-    assert [p[1] for p in pieces] == [None, "\n"]
+    ctx_whole = tools.extract(after, "stop")[0] if tools is not None else None
+    streamed = [
+        parts.feed(after[i : i + 3], i + 3 >= len(after))[1] for i in range(0, len(after), 3)
+    ]
+    assert "".join(c for c in streamed if c) == ctx_whole == "\n\n\n\nDone"
+    # Without tools nothing is held: a stream's first whitespace goes out at once.
+    ctx.tool_calls, ctx.reasoning = None, QWEN3
+    parts = ChoiceParts.of(ctx)
+    pieces = [parts.feed(piece, last) for piece, last in (("x</think>\n", False), ("y", True))]
+    assert [p[1] for p in pieces] == ["\n", "y"]
 
 
 def test_each_api_turns_qwen3_thinking_off_by_its_own_field(tiny_llama: str) -> None:
@@ -337,8 +364,10 @@ def test_each_api_turns_qwen3_thinking_off_by_its_own_field(tiny_llama: str) -> 
         body = {"model": "x", "max_tokens": 4, "messages": MESSAGES}
         disabled = {**body, "thinking": {"type": "disabled"}}
         unthinking = http.post("/v1/messages", json=disabled).json()
+        bad = http.post("/v1/responses", json={"input": "Hi", "reasoning": {"effort": "extreme"}})
         thinking = http.post("/v1/messages", json=body).json()
     assert [item.type for item in off.output] == ["message"]
     assert [item.type for item in on.output] == ["reasoning"]
     assert [block["type"] for block in unthinking["content"]] == ["text"]
     assert [block["type"] for block in thinking["content"]] == ["thinking"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"
