@@ -49,7 +49,9 @@ class ChatEnding:
             raise refusal(
                 "continue_final_message", "cannot be true together with add_generation_prompt"
             )
-        check_template_kwargs(self.template_kwargs, "chat_template_kwargs")
+        reason = reserved_template_kwarg(self.template_kwargs)
+        if reason is not None:
+            raise refusal("chat_template_kwargs", reason)
 
 
 # Template variables a request may not set: apply_chat_template's own arguments (transformers
@@ -68,12 +70,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-def check_template_kwargs(kwargs: Mapping[str, Any], field_name: str) -> None:
-    """Refuses a template variable that replaces one of apply_chat_template's arguments or
-    the tokenizer's special tokens."""
+def reserved_template_kwarg(kwargs: Mapping[str, Any]) -> str | None:
+    """Why these template variables cannot be set (one replaces apply_chat_template's
+    arguments or the tokenizer's special tokens); None if they can."""
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise refusal(field_name, f"{reserved[0]!r} is not a variable a request may set")
+    return f"{reserved[0]!r} is not a variable a request may set" if reserved else None
 
 
 class ChatTokenizer:

@@ -345,11 +345,11 @@ class EngineConfig(BaseModel):
     @field_validator("default_chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from pagedray.engine.chat_tokens import RESERVED_TEMPLATE_KWARGS
+        from pagedray.engine.chat_tokens import reserved_template_kwarg
 
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
-        if reserved:
-            raise ValueError(f"{reserved[0]!r} is not a variable a request may set")
+        reason = reserved_template_kwarg(value)
+        if reason is not None:
+            raise ValueError(reason)
         return value
 
     @model_validator(mode="after")

@@ -77,7 +77,8 @@ class StepRecord:
 
 
 class StepMetricsRecorder:
-    """Records into an `EngineMetrics`; with none, every call does nothing."""
+    """Records into an `EngineMetrics` and feeds the stats line (`StatsLog`); with neither,
+    every call does nothing."""
 
     def __init__(self, metrics: EngineMetrics | None, stats_log: StatsLog | None = None) -> None:
         self.metrics = metrics

@@ -161,10 +161,14 @@ def message_of(message_id: str, result: ChatCompletionResponse) -> dict[str, Any
 
 
 def thinking_block(thinking: str) -> dict[str, Any]:
-    """The model's thinking as Anthropic's extended thinking gives it. Its `signature` (which
-    Anthropic's API checks when the block is sent back) is a random token, as vLLM's: a block
-    sent back is accepted and left out of the conversation here."""
-    return {"type": "thinking", "thinking": thinking, "signature": secrets.token_hex(16)}
+    """The model's thinking as Anthropic's extended thinking gives it."""
+    return {"type": "thinking", "thinking": thinking, "signature": thinking_signature()}
+
+
+def thinking_signature() -> str:
+    """A thinking block's `signature`, which Anthropic's API checks when the block is sent back:
+    a random token here, as vLLM's (a block sent back is accepted and left out)."""
+    return secrets.token_hex(16)
 
 
 # ---- the stream of events ------------------------------------------------------------------------
@@ -198,8 +202,8 @@ class _Blocks:
             return []
         events = []
         if self.open == "thinking":  # its signature last, as Anthropic's stream sends it
-            signature = thinking_block("")["signature"]
-            events.append(self.delta({"type": "signature_delta", "signature": signature}))
+            signature = {"type": "signature_delta", "signature": thinking_signature()}
+            events.append(self.delta(signature))
         self.open = None
         self.count += 1
         data = {"type": "content_block_stop", "index": self.count - 1}

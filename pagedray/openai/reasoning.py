@@ -68,9 +68,7 @@ class ReasoningParser:
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for an empty part."""
-        stream = self.stream()
-        reasoning, content = stream.feed(text, finished=True)
-        return reasoning, content
+        return self.stream().feed(text, finished=True)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
