@@ -40,7 +40,6 @@ from pagedray.engine.output_channel import IDLE_S as OUTPUT_CHANNEL_IDLE_S
 from pagedray.engine.output_channel import OutputChannels
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.request_errors import failure_of
-from pagedray.engine.request_stream import Sink
 from pagedray.engine.stats_log import stats_log_for
 from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.kv_transfer import KVExport, TierAddress
@@ -161,7 +160,7 @@ class EngineDeployment:
                 )
 
         try:
-            self._add_request(request, sink)
+            self.engine.submit(request, sink)
         except Exception as exc:  # noqa: BLE001 - refused: reported to the client, not raised
             return error_output(request_id, exc)
         if channel is not None:
@@ -228,18 +227,6 @@ class EngineDeployment:
         core = self.engine.core
         if self.kv_index is not None and core.kv_delta_listener is None:
             core.kv_delta_listener = self.kv_index.listener(asyncio.get_running_loop())
-
-    def _add_request(self, request: GenerateRequest, sink: Sink) -> None:
-        self.engine.add_request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.sampling_params,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            stream_interval=request.stream_interval,
-            output_token_ids=request.output_token_ids,
-            sink=sink,
-        )
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -7,6 +7,7 @@ run as worker actors (tensor_parallel_size > 1).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from pagedray.engine.config import EngineConfig, validated
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.prompt_validator import as_prompt_list
+from pagedray.engine.thinking_tokens import ThinkingTokens
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.request_failure import refusal
@@ -120,6 +122,7 @@ class LLM:
                     params,
                     priority=prio,
                     cache_salt=prompt.cache_salt,
+                    grammar_after_token_id=self._grammar_after(prompt.token_ids, params),
                 )
             )
             self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
@@ -131,6 +134,18 @@ class LLM:
                 self.output_processor.abort(request_id)
             raise
         return [self.output_processor.requests.pop(rid).to_output() for rid in request_ids]
+
+    def _grammar_after(self, prompt_token_ids: list[int], params: SamplingParams) -> int | None:
+        """With `reasoning_parser`, a structured output holds to its grammar after the thinking
+        (vLLM's default): the `</think>` its output waits for, unless its prompt closed it."""
+        if self.config.reasoning_parser is None or params.structured_outputs is None:
+            return None
+        thinking = self._thinking_tokens
+        return None if thinking is None else thinking.grammar_after(prompt_token_ids)
+
+    @functools.cached_property
+    def _thinking_tokens(self) -> ThinkingTokens | None:
+        return ThinkingTokens.of(self.tokenizer)
 
     def chat(
         self,

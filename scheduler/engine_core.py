@@ -134,12 +134,14 @@ class EngineCore:
         return runner_output
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput) -> dict[str, RequestGrammar]:
-        """The grammars of the constrained sequences that sample in this (scheduled) step."""
+        """The grammars of the constrained sequences that sample in this (scheduled) step (not
+        those still thinking: their grammar holds only after it)."""
         rows = {}
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.scheduler.requests[req_id]
-            if req.grammar is not None and req.num_computed_tokens >= req.num_tokens:
-                rows[req_id] = req.grammar
+            grammar = req.grammar
+            if grammar is not None and grammar.holds and req.num_computed_tokens >= req.num_tokens:
+                rows[req_id] = grammar
         return rows
 
     def save_cache_to_tier(self, deadline: float | None = None) -> int:

@@ -48,20 +48,30 @@ PARALLEL_MASK_MIN_CPUS = 8
 
 
 class RequestGrammar:
-    """One sequence's matcher, ready once its compile finished (or failed with a message)."""
+    """One sequence's matcher, ready once its compile finished (or failed with a message).
 
-    def __init__(self, future: Future[LLMatcher]) -> None:
+    A reasoning model's output holds to its grammar only after its thinking, as vLLM's does (its
+    `enable_in_reasoning` off): the grammar opens after the token that ends the thinking
+    (`</think>`), and until then neither masks the sequence's tokens nor reads them."""
+
+    def __init__(self, future: Future[LLMatcher], opens_after: int | None = None) -> None:
         self._future = future
         self.matcher: LLMatcher | None = None
         self.error: str | None = None
+        self.opens_after = opens_after  # None: the grammar holds (from the first token)
 
     @classmethod
-    def of(cls, matcher: LLMatcher) -> RequestGrammar:
+    def of(cls, matcher: LLMatcher, opens_after: int | None = None) -> RequestGrammar:
         future: Future[LLMatcher] = Future()
         future.set_result(matcher)
-        grammar = cls(future)
+        grammar = cls(future, opens_after)
         grammar.ready()
         return grammar
+
+    @property
+    def holds(self) -> bool:
+        """The grammar constrains this sequence's next token (its thinking, if any, is over)."""
+        return self.opens_after is None
 
     def ready(self) -> bool:
         """True once compiled (check `error`); never blocks."""
@@ -84,12 +94,18 @@ class RequestGrammar:
     def fork(self) -> RequestGrammar:
         """A copy that advances on its own (a forked sequence from the same prompt)."""
         assert self.matcher is not None
-        return RequestGrammar.of(self.matcher.deep_copy())
+        return RequestGrammar.of(self.matcher.deep_copy(), self.opens_after)
 
     def accept(self, token_ids: list[int]) -> bool:
-        """Advance by sampled tokens; False if the grammar rejects one (the request must end)."""
+        """Advance by sampled tokens; False if the grammar rejects one (the request must end).
+        Tokens up to the one it opens after are the thinking's, not the grammar's."""
         assert self.matcher is not None
-        if self.matcher.consume_tokens(token_ids):
+        if self.opens_after is not None:
+            if self.opens_after not in token_ids:
+                return True
+            token_ids = token_ids[token_ids.index(self.opens_after) + 1 :]
+            self.opens_after = None
+        if not token_ids or self.matcher.consume_tokens(token_ids):
             return True
         # NOTE: llguidance's message is its reason on the first line, then the parser's state and
         # the whole grammar (some 20 lines): the reason is the error, the rest is for debugging.
@@ -105,7 +121,7 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         """The output is complete: the grammar allows nothing more (but end of sequence)."""
-        return self.matcher is not None and self.matcher.is_stopped()
+        return self.holds and self.matcher is not None and self.matcher.is_stopped()
 
 
 @dataclass
@@ -148,16 +164,19 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self.stats = GrammarStats()
 
-    def start(self, params: StructuredOutputsParams) -> RequestGrammar:
+    def start(
+        self, params: StructuredOutputsParams, opens_after: int | None = None
+    ) -> RequestGrammar:
         """A request's matcher: a copy of the cached template at once (microseconds), else
-        built on the compile thread."""
+        built on the compile thread; `opens_after`: the token that ends the output's thinking,
+        after which the grammar holds (None: from the first token)."""
         with self._lock:
             template = self._templates.get(params.key)
             if template is not None:
                 self._templates.move_to_end(params.key)
                 self.stats.num_cache_hits += 1
-                return RequestGrammar.of(template.deep_copy())
-        return RequestGrammar(self._compile_pool.submit(self._matcher, params.key))
+                return RequestGrammar.of(template.deep_copy(), opens_after)
+        return RequestGrammar(self._compile_pool.submit(self._matcher, params.key), opens_after)
 
     def prepare(self) -> None:
         """Read the tokenizer and index its vocabulary now, before the first structured request

@@ -49,6 +49,9 @@ class EngineRequest:
     # Its output so far, when it resumes here after another engine lost it (n = 1): computed
     # again as context, never sent again, sampled on from the next position.
     output_token_ids: list[int] = field(default_factory=list)
+    # With structured outputs from a reasoning model: the token that ends its thinking, after
+    # which the grammar holds (vLLM's default); None: the grammar holds from the first token.
+    grammar_after_token_id: int | None = None
 
 
 class Request:
@@ -72,6 +75,7 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         # A resumed output not yet replayed through the request's grammar (at its admission).
         self.unreplayed_token_ids: list[int] = list(engine_request.output_token_ids)
+        self.grammar_after_token_id = engine_request.grammar_after_token_id
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
         self.num_preemptions = 0

@@ -86,7 +86,7 @@ class Scheduler:
         if constraint is not None:
             if self.structured is None:
                 raise refusal("structured_outputs", "this engine was built without a tokenizer")
-            req.grammar = self.structured.start(constraint)
+            req.grammar = self.structured.start(constraint, req.grammar_after_token_id)
         if (
             self.config.max_num_waiting is not None
             and len(self.waiting) >= self.config.max_num_waiting

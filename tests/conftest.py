@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -43,6 +44,23 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, str]) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def thinking_llama(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny llama with `<think>` and `</think>` as single tokens of its vocabulary (two of
+    its reserved ids, as in Qwen3's and DeepSeek-R1's: added, not special), so the engine can
+    watch for the end of a thinking. Same weights."""
+    path = tmp_path_factory.mktemp("thinking") / "llama"
+    shutil.copytree(tiny_llama, path)
+    tokenizer_file = path / "tokenizer.json"
+    state = json.loads(tokenizer_file.read_text())
+    tags = {f"<|reserved_{i}|>": tag for i, tag in ((6, "<think>"), (7, "</think>"))}
+    for token in state["added_tokens"]:
+        if token["content"] in tags:
+            token["content"], token["special"] = tags[token["content"]], False
+    tokenizer_file.write_text(json.dumps(state))
+    return str(path)
 
 
 @pytest.fixture

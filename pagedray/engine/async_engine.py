@@ -31,7 +31,7 @@ from pagedray.engine.request_stream import Sink
 from pagedray.engine.stats_log import StatsLog
 from pagedray.engine.step_metrics import EngineMetrics, StepMetricsRecorder
 from pagedray.engine.step_runner import FinishedStep, StepRunner
-from pagedray.engine.wire import RequestStepOutput
+from pagedray.engine.wire import GenerateRequest, RequestStepOutput
 from pagedray.scheduler.engine_core import EngineCore
 from pagedray.scheduler.kv_transfer import KVExport
 from pagedray.scheduler.prefix_hash import BlockHash
@@ -103,6 +103,22 @@ class AsyncEngine:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run_loop())
 
+    def submit(
+        self, request: GenerateRequest, sink: Sink | None = None
+    ) -> AsyncGenerator[RequestStepOutput, None]:
+        """`add_request` of a wire request (each engine client's way in)."""
+        return self.add_request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            stream_interval=request.stream_interval,
+            sink=sink,
+            output_token_ids=request.output_token_ids,
+            grammar_after_token_id=request.grammar_after_token_id,
+        )
+
     def add_request(
         self,
         request_id: str,
@@ -114,10 +130,13 @@ class AsyncEngine:
         stream_interval: int | None = 1,
         sink: Sink | None = None,
         output_token_ids: list[int] | None = None,
+        grammar_after_token_id: int | None = None,
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """Queue a validated request; returns its stream of outputs, merged per
         `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
         `output_token_ids`: its output so far, from an engine that lost it (it resumes there).
+        `grammar_after_token_id`: its structured output holds only after this token (a reasoning
+        model's `</think>`).
 
         Closing or cancelling the stream before it finishes aborts the request. With `sink`,
         each output (or the failure) goes to it instead, and `abort()` ends the request.
@@ -140,6 +159,7 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
             output_token_ids=list(output_token_ids or ()),
+            grammar_after_token_id=grammar_after_token_id,
         )
         return self.requests.accept(
             engine_request,

@@ -26,15 +26,7 @@ class LocalEngineClient:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[RequestStepOutput, None]:
         request_id = request.request_id
         try:
-            stream = self.engine.add_request(
-                request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                stream_interval=request.stream_interval,
-                output_token_ids=request.output_token_ids,
-            )
+            stream = self.engine.submit(request)
         except Exception as exc:  # noqa: BLE001 - refused: reported to the caller, not raised
             yield RequestStepOutput(request_id, error=failure_of(exc, request_id))
             return

@@ -43,6 +43,9 @@ class GenerateRequest:
     # Its output so far, when an engine lost it after some reached the client (n = 1): the
     # engine it moves to continues from there (scheduler/request.py's `EngineRequest`).
     output_token_ids: list[int] = field(default_factory=list)
+    # A reasoning model's structured output holds only after this token, its `</think>`
+    # (scheduler/request.py's `EngineRequest`); None: from the first token.
+    grammar_after_token_id: int | None = None
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None

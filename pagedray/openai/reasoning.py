@@ -12,11 +12,14 @@ Two parsers, for the thinking models this server runs:
 As vLLM, the prompt decides where the output starts: after a prompt whose thinking is closed
 already (a prefill that closed it, Qwen3's template with thinking off) it starts in the content,
 and so does the continuation of a prefill that opened none (Anthropic's prefill, `{` for JSON);
-so does output a regex, choice or grammar holds from its first token (a grammar applies from the
-start here, where vLLM applies it after the thinking). Either enters the thinking only on a
-leading `<think>`. The text is split as it arrives; a tag split across two pieces is held until
-it is whole, so a stream's pieces join into exactly the whole answer's `reasoning` and
-`content`. Tool calls are read from the content only.
+and so does output a regex, choice or grammar holds from its first token, which enters the
+thinking only on a leading `<think>`. But as vLLM's, a structured output's grammar holds only
+after the thinking, where `</think>` is one token of the vocabulary (as it is in reasoning
+models'): the model thinks freely, and the engine applies the grammar from the token after it
+(engine/thinking_tokens.py).
+The text is split as it arrives; a tag split across two pieces is held until it is whole, so a
+stream's pieces join into exactly the whole answer's `reasoning` and `content`. Tool calls are
+read from the content only.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from pagedray.engine.thinking_tokens import THINK_END, THINK_START
+
 TOOL_CALL_START = "<tool_call>"
 
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_client import EngineClient
 from pagedray.engine.prompt_validator import PromptValidator, ValidatedPrompt
+from pagedray.engine.thinking_tokens import ThinkingTokens
 from pagedray.engine.wire import GenerateRequest
 from pagedray.openai.answers import AnswerContext
 from pagedray.openai.cors import CORSSettings
@@ -44,7 +45,7 @@ from pagedray.scheduler.sampling_params import SamplingParams
 # Threads per server that parse bodies and (de)tokenize, off the event loop: a huge prompt then
 # delays only the requests queued behind it here, never /health or a stream.
 TOKENIZER_THREADS = 4
-# The prompt's last tokens, read for whether its thinking is open (`_reasoning_parser`).
+# The prompt's last tokens, read for whether its thinking is open (`_reasoning`).
 PROMPT_TAIL_TOKENS = 32
 # Tokens per engine message of a non-streamed request with stop strings: the server finds them,
 # so it needs the tokens before the end, but not one message per token.
@@ -162,22 +163,28 @@ class OpenAIServer:
                 self.tokenizer.chat_template,
             ),
         )
+        reasoning, grammar_after = self._reasoning(body, params, prompt.token_ids)
         if split_reasoning:
-            ctx.reasoning = self._reasoning_parser(body, params, prompt.token_ids)
-        streams = await self.open(ctx.request_id, [prompt], [params], body.priority, body.stream)
+            ctx.reasoning = reasoning
+        streams = await self.open(
+            ctx.request_id, [prompt], [params], body.priority, body.stream, grammar_after
+        )
         return streams if isinstance(streams, Response) else (ctx, streams)
 
-    def _reasoning_parser(
+    def _reasoning(
         self, body: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
-    ) -> ReasoningParser | None:
-        """How a chat answer's thinking splits from its content; None without a parser, or for
-        output held to JSON from its first token (a JSON response format, forced tool calls),
-        which has no thinking in it. Where the output starts is read from the prompt's end."""
+    ) -> tuple[ReasoningParser | None, int | None]:
+        """How a chat answer's thinking splits from its content (None: it has none), and the
+        token after which its structured output's grammar holds (None: from the first token).
+
+        As vLLM's, a reasoning model thinks freely and its grammar holds after `</think>`,
+        where the vocabulary has that as one token (as reasoning models' do). Else the grammar
+        holds from the first token: output held to JSON then has no thinking, and a regex,
+        choice or grammar's starts in the content. Where the output starts is read from the
+        prompt's end."""
         if self.config.reasoning_parser is None:
-            return None
+            return None, None
         constraint = params.structured_outputs
-        if constraint is not None and constraint.key[0] == "json":
-            return None
         continues = body.continue_final_message
         # A prefill's own text says whether it opened a thinking, however long it is; else the
         # rendered prompt's end does (a template that opened or closed it).
@@ -186,14 +193,26 @@ class OpenAIServer:
             if continues
             else self.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         )
-        return ReasoningParser.of(
+        parser = functools.partial(
+            ReasoningParser.of,
             self.config.reasoning_parser,
             self.validator.chat.template_kwargs(body.chat_ending()),
             tail,
-            constrained=constraint is not None,
             shown=body.include_reasoning,
             continues=continues,
         )
+        free = parser()
+        if constraint is None:
+            return free, None
+        if free is not None and free.thinking and self._thinking_tokens is not None:
+            return free, self._thinking_tokens.end
+        if constraint.key[0] == "json":
+            return None, None
+        return parser(constrained=True), None
+
+    @functools.cached_property
+    def _thinking_tokens(self) -> ThinkingTokens | None:
+        return ThinkingTokens.of(self.tokenizer)
 
     async def open(
         self,
@@ -202,9 +221,11 @@ class OpenAIServer:
         params: list[SamplingParams],
         priority: int,
         stream: bool,
+        grammar_after_token_id: int | None = None,
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt, each with its parameters (`params`, in the
-        prompts' order); an error response if any is refused."""
+        prompts' order); an error response if any is refused. `grammar_after_token_id`: their
+        structured output holds only after this token (a reasoning model's `</think>`)."""
         requests = [
             GenerateRequest(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
@@ -213,6 +234,7 @@ class OpenAIServer:
                 priority,
                 prompt.cache_salt,
                 self._stream_interval(stream, prompt_params),
+                grammar_after_token_id=grammar_after_token_id,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]

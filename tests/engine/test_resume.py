@@ -1,7 +1,8 @@
 """A request resumed from its output so far (`output_token_ids`: what reached the client before
 its engine was lost) continues with exactly the tokens it would have produced uninterrupted:
 greedy, seeded sampling under penalties and `min_tokens`, and structured outputs, whose grammar
-replays the resumed output first. A real tiny engine, in-process."""
+replays the resumed output first (a reasoning model's too, whose grammar holds after its
+thinking). A real tiny engine, in-process."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+THINK_END = 511  # the tiny vocabulary's last reserved id
 CASES = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
     "seeded with penalties": SamplingParams(
@@ -40,6 +42,15 @@ CASES = {
         temperature=0.8,
         seed=5,
         max_tokens=40,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+    ),
+    # A reasoning model's: free until the token that ends its thinking (here a reserved id,
+    # biased to come after a few tokens), then held to the grammar.
+    "thinking, then structured": SamplingParams(
+        temperature=0.8,
+        seed=5,
+        max_tokens=60,
+        logit_bias={THINK_END: 12},
         structured_outputs=StructuredOutputsParams(json=SCHEMA),
     ),
 }
@@ -60,7 +71,10 @@ async def _tokens(
     params: SamplingParams,
     output: list[int] | None = None,
 ) -> list[int]:
-    stream = engine.add_request(request_id, prompt, params, output_token_ids=output)
+    gate = THINK_END if params.logit_bias else None
+    stream = engine.add_request(
+        request_id, prompt, params, output_token_ids=output, grammar_after_token_id=gate
+    )
     return [t async for out in stream for d in out.deltas for t in d.token_ids]
 
 
@@ -75,7 +89,10 @@ def test_a_resumed_request_continues_token_exact(tiny_llama: str, case: str) -> 
         assert len(whole) > 8
         # NOTE: not after the last token but one: a grammar's last token and the EOS that ends
         # its output leave in one output, so no client holds one without the other.
-        for cut in (1, 7, len(whole) - 2):
+        # Across the end of a thinking too: the resumed output's replay opens the grammar.
+        gate = [whole.index(THINK_END), whole.index(THINK_END) + 1] if params.logit_bias else []
+        assert all(1 < cut < len(whole) - 2 for cut in gate)
+        for cut in (1, 7, len(whole) - 2, *gate):
             resumed = await _tokens(engine, f"resumed-{cut}", prompt, params, whole[:cut])
             assert resumed == whole[cut:], cut
         await engine.shutdown()

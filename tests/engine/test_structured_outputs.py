@@ -385,3 +385,32 @@ def test_a_tokenizer_prepare_cannot_index_leaves_structured_requests_refused(
     (again,) = llm.generate(["Hey"], constrained, use_tqdm=False)
     assert again.error is not None and "no `tokenizers` backend" in again.error
     assert len(reads) == 1
+
+
+def test_a_reasoning_model_thinks_freely_then_holds_to_its_grammar(thinking_llama: str) -> None:
+    """With `reasoning_parser`, as vLLM's `LLM`: a constrained output is free up to `</think>`
+    (one token of this vocabulary) and validates after it, per choice; a prompt that closed
+    its thinking holds to the grammar from the first token. (A bias makes the random model
+    close its thinking after a few tokens.)"""
+    llm = LLM(thinking_llama, dtype="float32", num_kv_blocks=64, reasoning_parser="deepseek_r1")
+    end = llm.tokenizer.convert_tokens_to_ids("</think>")
+    schema = SCHEMAS["nested"]
+    params = SamplingParams(
+        temperature=1.0,
+        seed=0,
+        n=2,
+        max_tokens=120,
+        logit_bias={end: 12},
+        structured_outputs={"json": schema},
+    )
+    prompt = llm.tokenizer.encode("Think, then answer.")
+    thought = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    closed = llm.generate([{"prompt_token_ids": [*prompt, end]}], params, use_tqdm=False)[0]
+    llm.shutdown()
+    for choice in thought.outputs:
+        assert choice.finish_reason == "stop" and end in choice.token_ids
+        thinking, answer = choice.token_ids[: choice.token_ids.index(end)], choice.text
+        assert thinking, "the bias closes the thinking, not at once"
+        jsonschema.validate(json.loads(answer[answer.index("</think>") + 8 :]), schema)
+    for choice in closed.outputs:
+        jsonschema.validate(json.loads(choice.text), schema)

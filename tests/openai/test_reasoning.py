@@ -371,3 +371,43 @@ def test_each_api_turns_qwen3_thinking_off_by_its_own_field(tiny_llama: str) -> 
     assert [block["type"] for block in unthinking["content"]] == ["text"]
     assert [block["type"] for block in thinking["content"]] == ["thinking"]
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"
+
+
+def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
+    thinking_llama: str,
+) -> None:
+    """As vLLM's, a reasoning model thinks freely and its JSON format or forced tool call holds
+    only after `</think>` (one token of this vocabulary): the thinking is free text, the content
+    validates. (A bias makes the random model close its thinking after a few tokens.)"""
+    http, sdk = _served(thinking_llama, reasoning_parser="deepseek_r1")
+    end = AutoTokenizer.from_pretrained(thinking_llama).convert_tokens_to_ids("</think>")
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    sampling: Any = {"temperature": 1.0, "seed": 0, "logit_bias": {str(end): 12}}
+    answer_format: Any = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+
+    def ask(stream: bool, **extra: Any) -> Any:
+        return sdk.chat.completions.create(
+            model="x", messages=MESSAGES, max_tokens=40, stream=stream, **sampling, **extra
+        )
+
+    with http:
+        whole: Any = ask(False, response_format=answer_format).choices[0]
+        reasoning, content = "", ""
+        for chunk in ask(True, response_format=answer_format):
+            if chunk.choices:
+                delta: Any = chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning", None) or ""
+                content += delta.content or ""
+        called: Any = ask(False, tools=tools, tool_choice="required").choices[0].message
+    said = whole.message
+    assert whole.finish_reason == "stop" and said.reasoning
+    assert json.loads(said.content) == {"a": json.loads(said.content)["a"]}
+    assert (reasoning, content) == (said.reasoning, said.content)
+    assert called.reasoning and called.content is None
+    assert [call.function.name for call in called.tool_calls] == ["f"]
