@@ -28,8 +28,8 @@ class ThinkingTokens:
     @classmethod
     def of(cls, tokenizer: Any) -> ThinkingTokens | None:
         """The tags' ids; None where `</think>` is not one token of the vocabulary."""
-        end = _single_token(tokenizer, THINK_END)
-        return None if end is None else cls(_single_token(tokenizer, THINK_START), end)
+        end = single_token_id(tokenizer, THINK_END)
+        return None if end is None else cls(single_token_id(tokenizer, THINK_START), end)
 
     def grammar_after(self, prompt_token_ids: Sequence[int]) -> int | None:
         """The token after which an output of this prompt holds to its grammar: `</think>`,
@@ -42,6 +42,7 @@ class ThinkingTokens:
         return self.end
 
 
-def _single_token(tokenizer: Any, text: str) -> int | None:
+def single_token_id(tokenizer: Any, text: str) -> int | None:
+    """`text`'s id where it is one token of the vocabulary."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable, Mapping, Sequence
 
 from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.engine.step_outputs import merge_step_outputs
@@ -29,7 +29,7 @@ from pagedray.openai.protocol import (
     DeltaToolCall,
     UsageInfo,
 )
-from pagedray.openai.reasoning import ReasoningParser, ReasoningStream
+from pagedray.openai.reasoning import ReasoningParser, ReasoningStream, ThoughtCounter
 from pagedray.openai.serving import (
     SSE_DONE,
     LogprobFormatter,
@@ -57,6 +57,9 @@ class AnswerContext:
     echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
     tool_calls: ToolCallOutput | None = None  # chat with tools: how text becomes calls
     reasoning: ReasoningParser | None = None  # chat: how the thinking splits from the answer
+    # With a --reasoning-parser whose tags are single tokens: their ids, to count the thinking
+    # in tokens for the usage (vLLM's `reasoning_tokens`); None: not counted.
+    reasoning_tags: Mapping[str, int] | None = None
     num_prompt_tokens: int = 0  # summed over the prompts, known before any output
     # One timestamp for every chunk of the answer, as OpenAI and vLLM stamp them.
     created: int = field(default_factory=lambda: int(time.time()))
@@ -67,6 +70,14 @@ class AnswerContext:
 
     def index(self, prompt_index: int, delta: ChoiceDelta) -> int:
         return prompt_index * self.n + delta.index
+
+    def thought_counter(self) -> ThoughtCounter | None:
+        """A counter of one choice's thinking in tokens; None where it is not counted."""
+        if self.reasoning_tags is None:
+            return None
+        if self.reasoning is None:  # no thinking (Qwen3's turned off, JSON from the first token)
+            return ThoughtCounter(False, None, frozenset())
+        return self.reasoning.counter(self.reasoning_tags)
 
     def echo_text(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
@@ -87,6 +98,7 @@ class ChoiceParts:
 
     reasoning: ReasoningStream | None
     tools: ChoiceToolStream | None
+    thought: ThoughtCounter | None = None  # the thinking in tokens, for the usage
     # With tools, leading content of whitespace alone (the "\n\n" a model writes after
     # `</think>`, before its calls) is held until text follows it, and dropped if none does, as
     # the whole answer's parser drops content of whitespace alone: no stream opens an empty
@@ -98,12 +110,15 @@ class ChoiceParts:
     def of(cls, ctx: AnswerContext) -> ChoiceParts:
         reasoning = ctx.reasoning.stream() if ctx.reasoning is not None else None
         tools = ctx.tool_calls.streamer() if ctx.tool_calls is not None else None
-        return cls(reasoning, tools)
+        return cls(reasoning, tools, ctx.thought_counter())
 
     def feed(
-        self, text: str, finished: bool
+        self, text: str, finished: bool, token_ids: Sequence[int] = ()
     ) -> tuple[str | None, str | None, list[DeltaToolCall] | None]:
-        """(reasoning, content, tool-call deltas) of a piece of text; `finished`: its last."""
+        """(reasoning, content, tool-call deltas) of a piece of text (of these tokens);
+        `finished`: its last."""
+        if self.thought is not None:
+            self.thought.add(token_ids)
         reasoning: str | None = None
         content: str | None = text
         if self.reasoning is not None:
@@ -131,6 +146,17 @@ class ChoiceParts:
     @property
     def made_calls(self) -> bool:
         return self.tools is not None and self.tools.made_calls
+
+
+def count_thinking(
+    usage: UsageCounter | None, thoughts: Iterable[ThoughtCounter | None]
+) -> UsageCounter:
+    """`usage` with the choices' thinking counted in (where it is counted at all)."""
+    usage = usage or UsageCounter()
+    counted = [thought.count for thought in thoughts if thought is not None]
+    if counted:
+        usage.reasoning_tokens = sum(counted)
+    return usage
 
 
 async def _collect(
@@ -197,6 +223,11 @@ async def chat_response(
     if ctx.reasoning is not None:
         for c, message in zip(choices, messages):
             message.reasoning, message.content = ctx.reasoning.split(c.text)
+    thoughts = [ctx.thought_counter() for _ in choices]
+    for c, thought in zip(choices, thoughts):
+        if thought is not None:
+            thought.add(c.token_ids)
+    usage = count_thinking(usage, thoughts)
     finish_reasons = [c.finish_reason for c in choices]
     if ctx.tool_calls is not None:
         for i, message in enumerate(messages):
@@ -298,14 +329,15 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
-                last = model([], _info(usage))
+                last = model([], count_thinking(usage, (p.thought for p in parts)).info())
                 yield sse(last)
             break
         logprobs = None
         if ctx.num_logprobs is not None:
             logprobs = ChatChoiceLogprobs(content=ctx.logprobs.chat(delta, ctx.num_logprobs))
         index = ctx.index(prompt_index, delta)
-        reasoning, content, calls = parts[index].feed(delta.text, delta.finish_reason is not None)
+        finished = delta.finish_reason is not None
+        reasoning, content, calls = parts[index].feed(delta.text, finished, delta.token_ids)
         message = DeltaMessage(content=content, tool_calls=calls, reasoning=reasoning)
         finish_reason = parts[index].finish_reason(delta.finish_reason)
         said = message.content or message.tool_calls or message.reasoning

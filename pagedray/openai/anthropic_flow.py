@@ -245,7 +245,7 @@ async def message_events(
                 yield event("message_stop", {"type": "message_stop"})
                 return
             finished = delta.finish_reason is not None
-            reasoning, content, calls = parts.feed(delta.text, finished)
+            reasoning, content, calls = parts.feed(delta.text, finished, delta.token_ids)
             if finished:
                 finish = (delta.finish_reason, delta.stop_reason)
             for text in _content_events(blocks, reasoning, content, calls):

@@ -25,9 +25,9 @@ read from the content only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from pagedray.engine.thinking_tokens import THINK_END, THINK_START
+from pagedray.engine.thinking_tokens import THINK_END, THINK_START, single_token_id
 
 TOOL_CALL_START = "<tool_call>"
 
@@ -68,6 +68,12 @@ class ReasoningParser:
         if name == "deepseek_r1":
             return cls(starts_inside, (THINK_END,), shown)
         raise ValueError(f"reasoning_parser: unknown {name!r}")
+
+    def counter(self, tag_ids: Mapping[str, int]) -> ThoughtCounter:
+        """A counter of one choice's thinking in tokens, given the ids of the tags that are
+        single tokens of the vocabulary (`tag_ids`, with `</think>`'s at least)."""
+        ends = frozenset(tag_ids[end] for end in self.ends if end in tag_ids)
+        return ThoughtCounter(self.thinking, tag_ids.get(THINK_START), ends)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for an empty part."""
@@ -113,6 +119,41 @@ class ReasoningStream:
             keep = _tag_prefix_length(text, self.parser.ends)
             self.held, text = text[len(text) - keep :], text[: len(text) - keep]
         return text or None, None
+
+
+@dataclass
+class ThoughtCounter:
+    """One choice's thinking counted in tokens as they arrive (vLLM's usage
+    `reasoning_tokens`): the tokens between the start (or a leading `<think>`) and what ends
+    the thinking, tags excluded."""
+
+    thinking: bool
+    start: int | None  # `<think>`'s id
+    ends: frozenset[int]
+    opened: bool = False
+    count: int = 0
+
+    def add(self, token_ids: Iterable[int]) -> None:
+        for token_id in token_ids:
+            if not self.opened:
+                self.opened = True
+                if token_id == self.start:
+                    self.thinking = True
+                    continue
+            if not self.thinking or token_id in self.ends:
+                self.thinking = False
+                return
+            self.count += 1
+
+
+def reasoning_tag_ids(tokenizer: Any) -> dict[str, int] | None:
+    """The ids of the tags that are single tokens of the vocabulary; None without `</think>`
+    (thinking is then not counted in tokens)."""
+    ids = {
+        tag: single_token_id(tokenizer, tag) for tag in (THINK_START, THINK_END, TOOL_CALL_START)
+    }
+    known = {tag: token_id for tag, token_id in ids.items() if token_id is not None}
+    return known if THINK_END in known else None
 
 
 def _tag_prefix_length(text: str, tags: tuple[str, ...]) -> int:

@@ -91,11 +91,12 @@ def response_usage(usage: dict) -> dict[str, Any]:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     input_tokens = usage.get("prompt_tokens", 0)
     output_tokens = usage.get("completion_tokens", 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": usage.get("total_tokens", input_tokens + output_tokens),
     }
 

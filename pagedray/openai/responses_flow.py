@@ -20,6 +20,7 @@ from pagedray.openai.answers import (
     StreamError,
     chat_response,
     choice_deltas,
+    count_thinking,
 )
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.response_objects import (
@@ -95,7 +96,7 @@ async def response_events(
     try:
         async for _, delta, usage in choice_deltas(streams):
             if delta is None:
-                final_events = events.finish(finish_reason, _usage(usage))
+                final_events = events.finish(finish_reason, _usage(usage, parts))
                 if save is not None:  # before the client hears it is complete, and may follow up
                     response = events.final_response()
                     await save(response, job.record(response))
@@ -103,7 +104,7 @@ async def response_events(
                     yield sse_event(event)
                 return
             finished = delta.finish_reason is not None
-            reasoning, content, calls = parts.feed(delta.text, finished)
+            reasoning, content, calls = parts.feed(delta.text, finished, delta.token_ids)
             if finished:
                 finish_reason = parts.finish_reason(delta.finish_reason)
             for event in events.reasoning(reasoning or ""):
@@ -137,5 +138,5 @@ def in_responses_terms(response: Response) -> Response:
     return renamed_fields(response, CHAT_TO_RESPONSES_FIELDS)
 
 
-def _usage(usage: UsageCounter | None) -> dict[str, Any]:
-    return (usage or UsageCounter()).info().model_dump()
+def _usage(usage: UsageCounter | None, parts: ChoiceParts) -> dict[str, Any]:
+    return count_thinking(usage, [parts.thought]).info().model_dump()

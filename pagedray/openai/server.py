@@ -28,7 +28,7 @@ from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
 from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
-from pagedray.openai.reasoning import ReasoningParser
+from pagedray.openai.reasoning import ReasoningParser, reasoning_tag_ids
 from pagedray.openai.request_body import BodyError
 from pagedray.openai.request_log import RequestLog, warn_if_unseen
 from pagedray.openai.response_store import ResponseStoreClient
@@ -166,6 +166,7 @@ class OpenAIServer:
         reasoning, grammar_after = self._reasoning(body, params, prompt.token_ids)
         if split_reasoning:
             ctx.reasoning = reasoning
+            ctx.reasoning_tags = self._reasoning_tags
         streams = await self.open(
             ctx.request_id, [prompt], [params], body.priority, body.stream, grammar_after
         )
@@ -213,6 +214,14 @@ class OpenAIServer:
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:
         return ThinkingTokens.of(self.tokenizer)
+
+    @functools.cached_property
+    def _reasoning_tags(self) -> dict[str, int] | None:
+        """With a `--reasoning-parser`, the ids of its tags that are single tokens, to count
+        the thinking in tokens (vLLM's usage `reasoning_tokens`); None: not counted."""
+        if self.config.reasoning_parser is None:
+            return None
+        return reasoning_tag_ids(self.tokenizer)
 
     async def open(
         self,

@@ -20,6 +20,7 @@ from pagedray.engine.wire import RequestStepOutput
 from pagedray.openai.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
+    CompletionTokensDetails,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -48,6 +49,7 @@ class UsageCounter:
     completion_tokens: int = 0
     cached_tokens: int = 0
     num_finished: int = 0
+    reasoning_tokens: int | None = None  # counted by the answer, with a --reasoning-parser
 
     def add(self, output: RequestStepOutput) -> None:
         if output.usage is None:
@@ -63,6 +65,11 @@ class UsageCounter:
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            completion_tokens_details=(
+                None
+                if self.reasoning_tokens is None
+                else CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
+            ),
         )
 
 

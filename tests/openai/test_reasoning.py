@@ -325,6 +325,29 @@ def test_tool_calls_are_read_from_the_content_only(name: str, text: str, thinkin
     assert parts.finish_reason("stop") == "tool_calls"
 
 
+@pytest.mark.parametrize(
+    ("parser", "tokens", "count"),
+    [
+        (R1, [5, 6, 7, 511, 8, 9], 3),  # the template opened it: up to `</think>`
+        (R1, [510, 5, 6, 511, 8], 2),  # a leading `<think>` is no thinking token
+        (R1, [5, 6, 7], 3),  # cut short: all of it
+        (AFTER_CLOSED, [5, 6], 0),
+        (AFTER_CLOSED, [510, 5, 511, 6], 1),
+        (AFTER_CLOSED, [5, 510, 6, 511], 0),  # a `<think>` past the start is text
+        (QWEN3, [5, 512, 6], 1),  # a `<tool_call>` ends it too
+    ],
+)
+def test_the_thinking_is_counted_in_tokens(
+    parser: ReasoningParser, tokens: list[int], count: int
+) -> None:
+    tags = {"<think>": 510, "</think>": 511, "<tool_call>": 512}
+    whole, pieces = parser.counter(tags), parser.counter(tags)
+    whole.add(tokens)
+    for token in tokens:
+        pieces.add([token])
+    assert whole.count == pieces.count == count
+
+
 def test_whitespace_before_a_call_opens_no_content() -> None:
     """Qwen3's "</think>\n\n<tool_call>": streamed, the blank line is no content (the whole
     answer's parser drops it too), so no stream opens an empty message or text block; an answer
@@ -397,17 +420,30 @@ def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
         )
 
     with http:
-        whole: Any = ask(False, response_format=answer_format).choices[0]
-        reasoning, content = "", ""
-        for chunk in ask(True, response_format=answer_format):
+        answer: Any = ask(False, response_format=answer_format, logprobs=True)
+        reasoning, content, usage = "", "", None
+        streamed = ask(True, response_format=answer_format, stream_options={"include_usage": True})
+        for chunk in streamed:
+            usage = chunk.usage or usage
             if chunk.choices:
                 delta: Any = chunk.choices[0].delta
                 reasoning += getattr(delta, "reasoning", None) or ""
                 content += delta.content or ""
         called: Any = ask(False, tools=tools, tool_choice="required").choices[0].message
+        responses_usage: Any = sdk.responses.create(
+            model="x", input="Think, then answer.", max_output_tokens=40
+        ).usage
+    whole = answer.choices[0]
     said = whole.message
     assert whole.finish_reason == "stop" and said.reasoning
     assert json.loads(said.content) == {"a": json.loads(said.content)["a"]}
     assert (reasoning, content) == (said.reasoning, said.content)
     assert called.reasoning and called.content is None
     assert [call.function.name for call in called.tool_calls] == ["f"]
+    # The thinking in tokens, as vLLM counts it (the tokens before `</think>`), whole and
+    # streamed; the Responses API's output_tokens_details too (the model never closes it there).
+    tokens = [entry.token for entry in whole.logprobs.content]
+    thought = tokens.index("</think>")
+    assert answer.usage.completion_tokens_details.reasoning_tokens == thought
+    assert usage is not None and usage.completion_tokens_details.reasoning_tokens == thought
+    assert responses_usage.output_tokens_details.reasoning_tokens == responses_usage.output_tokens
