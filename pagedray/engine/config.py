@@ -227,6 +227,10 @@ class EngineConfig(BaseModel):
         description="every streamed response ends with its usage, as if the request set "
         "stream_options.include_usage",
     )
+    enable_request_id_headers: bool = Field(
+        False,
+        description="every answer carries an X-Request-Id header: the request's, else a new one",
+    )
     disable_log_stats: bool = Field(
         False,
         description="no periodic stats line (throughput, requests, KV usage, hit rate) in a "

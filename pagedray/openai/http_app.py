@@ -1,5 +1,5 @@
 """The OpenAI server's FastAPI app: its routers, one per API family, behind the middleware every
-answer passes (the guard, Anthropic's error shape, metrics, CORS), with its
+answer passes (the guard, Anthropic's error shape, metrics, CORS, X-Request-Id), with its
 `OpenAIServer` named by `server_of`.
 
 Serve's ingress builds it once, at import, with `server_of` finding the replica's server
@@ -23,6 +23,7 @@ from pagedray.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedray.openai.request_ids import RequestIdHeaders
 from pagedray.openai.responses_api import ResponsesRequest
 from pagedray.openai.routes import anthropic, chat, completions, operations, responses, tokenizer
 from pagedray.openai.schema import declare_request_models
@@ -60,6 +61,9 @@ def openai_fastapi_app(
     # no API key, and is no request of the route it asks about) and adds its headers to every
     # answer.
     app.add_middleware(ReplicaCORS, settings_of=lambda: server_of().cors)
+    # Outermost: every answer, a CORS preflight's too, carries the header (vLLM's).
+    request_id_headers = lambda: server_of().config.enable_request_id_headers  # noqa: E731
+    app.add_middleware(RequestIdHeaders, enabled_of=request_id_headers)
     declare_request_models(
         app,
         [

@@ -29,6 +29,7 @@ from pagedray.openai.constraints import (
     ToolCall,
     ToolFields,
 )
+from pagedray.openai.request_ids import MAX_LENGTH as MAX_REQUEST_ID_LENGTH
 from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import (
     MAX_INT32,
@@ -81,6 +82,8 @@ class _GenerationRequest(ConstraintFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    # vLLM's: names the answer (`chatcmpl-<id>`), unless the X-Request-Id header does.
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_LENGTH)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = _bounded(1, minimum=1, maximum=MAX_N)

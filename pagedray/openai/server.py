@@ -136,19 +136,24 @@ class OpenAIServer:
         return [ModelCard(id=n, root=self.config.model, max_model_len=max_model_len) for n in names]
 
     async def start_chat(
-        self, request_id: str, body: ChatCompletionRequest, split_reasoning: bool = False
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        split_reasoning: bool = False,
+        answer_id: str | None = None,
     ) -> tuple[AnswerContext, EngineStreams] | Response:
         """Template, tokenize and validate a chat request, then submit it; the error response if
         it is refused. Chat completions, the Responses API and Anthropic's Messages API all
         come through here; `split_reasoning`: the answer's thinking is split off as the
-        `--reasoning-parser` says."""
+        `--reasoning-parser` says; `answer_id`: the answer's id, where it is not the engine's
+        `request_id` (a client chose it: request_ids.py)."""
         await self.learn_limits()
         try:
             params, prompt = await self.in_thread(chat_prompt, self.validator, body)
         except ValueError as exc:
             return bad_request(exc)
         ctx = AnswerContext(
-            request_id=request_id,
+            request_id=answer_id or request_id,
             model=self.model_name,
             n=params.n,
             num_prompts=1,
@@ -168,7 +173,7 @@ class OpenAIServer:
             ctx.reasoning = reasoning
             ctx.reasoning_tags = self._reasoning_tags
         streams = await self.open(
-            ctx.request_id, [prompt], [params], body.priority, body.stream, grammar_after
+            request_id, [prompt], [params], body.priority, body.stream, grammar_after
         )
         return streams if isinstance(streams, Response) else (ctx, streams)
 

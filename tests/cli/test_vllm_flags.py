@@ -82,6 +82,7 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--api-server-count", "2"], "num_ingress_replicas", 2),
     (["-asc", "3"], "num_ingress_replicas", 3),
     (["--disable-uvicorn-access-log"], "disable_uvicorn_access_log", True),
+    (["--enable-request-id-headers"], "enable_request_id_headers", True),
     (["--max-logprobs", "50"], "max_logprobs", 50),
     (["--max-logprobs", "-1"], "max_logprobs", -1),
     (["--reasoning-parser", "deepseek_r1"], "reasoning_parser", "deepseek_r1"),

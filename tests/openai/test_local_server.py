@@ -7,6 +7,7 @@ they do behind Serve (tests/cluster/test_openai_server.py), and every block come
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import openai
@@ -219,3 +220,38 @@ def test_max_logprobs_caps_what_a_request_asks(
     )
     assert wide.choices[0].logprobs is not None and wide.choices[0].logprobs.content
     assert all(len(token.top_logprobs) == 25 for token in wide.choices[0].logprobs.content)
+
+
+def test_a_client_request_id_names_the_answer_and_the_header_comes_back(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's request ids: the X-Request-Id header, else the body's `request_id`, names a chat
+    or completions answer; two requests in flight may send the same one (the engine's ids get
+    a suffix); `--enable-request-id-headers` puts the header on every answer."""
+    http = served[0]
+    messages: Any = [{"role": "user", "content": "Count."}]
+    short: Any = {"model": "x", "max_tokens": 3}
+    chat = sdk.chat.completions.create(
+        messages=messages, **short, extra_headers={"X-Request-Id": "trace-1"}
+    )
+    text = sdk.completions.create(prompt=PROMPT, **short, extra_body={"request_id": "job-7"})
+    assert (chat.id, text.id) == ("chatcmpl-trace-1", "cmpl-job-7")
+    # The same id in four requests at once: each runs to its end.
+    same: Any = {"extra_headers": {"X-Request-Id": "dup"}, "extra_body": {"ignore_eos": True}}
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(
+            pool.map(
+                lambda _: sdk.chat.completions.create(messages=messages, **short, **same), range(4)
+            )
+        )
+    assert [(a.id, a.choices[0].finish_reason) for a in answers] == [("chatcmpl-dup", "length")] * 4
+    long_id = {"X-Request-Id": "x" * 257}
+    refused = http.post("/v1/chat/completions", json={"messages": messages}, headers=AUTH | long_id)
+    assert refused.status_code == 400 and "X-Request-Id" in refused.json()["error"]["message"]
+    assert "X-Request-Id" not in http.get("/health").headers  # off by default
+    server = served[1]
+    on = server.config.model_copy(update={"enable_request_id_headers": True})
+    monkeypatch.setattr(server, "config", on)
+    echoed = http.get("/health", headers={"X-Request-Id": "probe-9"}).headers["X-Request-Id"]
+    made = http.get("/v1/models", headers=AUTH).headers["X-Request-Id"]
+    assert echoed == "probe-9" and len(made) == 32 and int(made, 16) >= 0

@@ -10,9 +10,11 @@ from fastapi.responses import Response
 
 from pagedray.openai.answers import chat_chunks, chat_response
 from pagedray.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedray.openai.request_ids import answer_and_engine_ids
 from pagedray.openai.routes.answer_responses import event_stream, json_answer
 from pagedray.openai.schema import request_body, responses
 from pagedray.openai.server import OpenAIServer, openai_server
+from pagedray.openai.serving import bad_request
 
 router = APIRouter()
 
@@ -27,7 +29,11 @@ async def chat_completions(raw: Request, server: OpenAIServer = Depends(openai_s
     body = await server.generation_body(raw, ChatCompletionRequest, request_id)
     if isinstance(body, Response):
         return body
-    started = await server.start_chat(request_id, body, split_reasoning=True)
+    try:
+        answer_id, engine_id = answer_and_engine_ids(raw.headers, body.request_id, request_id)
+    except ValueError as exc:
+        return bad_request(exc)
+    started = await server.start_chat(engine_id, body, split_reasoning=True, answer_id=answer_id)
     if isinstance(started, Response):
         return started
     ctx, streams = started

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from pagedray.openai.answers import AnswerContext, completion_chunks, completion_response
 from pagedray.openai.prompts import completion_prompts
 from pagedray.openai.protocol import CompletionRequest, CompletionResponse
+from pagedray.openai.request_ids import answer_and_engine_ids
 from pagedray.openai.routes.answer_responses import event_stream, json_answer
 from pagedray.openai.schema import request_body, responses
 from pagedray.openai.server import OpenAIServer, openai_server
@@ -28,6 +29,10 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
     body = await server.generation_body(raw, CompletionRequest, request_id)
     if isinstance(body, Response):
         return body
+    try:
+        answer_id, engine_id = answer_and_engine_ids(raw.headers, body.request_id, request_id)
+    except ValueError as exc:
+        return bad_request(exc)
     await server.learn_limits()
     num_prompts, queue = len(body.prompts()), await server.max_num_waiting()
     if queue is not None and num_prompts > queue:  # its requests could never all queue
@@ -38,7 +43,7 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
     except ValueError as exc:
         return bad_request(exc)
     ctx = AnswerContext(
-        request_id=request_id,
+        request_id=answer_id,
         model=server.model_name,
         n=body.n,
         num_prompts=len(prompts),
@@ -48,7 +53,7 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
         echo=echo,
         echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
     )
-    streams = await server.open(ctx.request_id, prompts, params, body.priority, body.stream)
+    streams = await server.open(engine_id, prompts, params, body.priority, body.stream)
     if isinstance(streams, Response):
         return streams
     if body.stream:

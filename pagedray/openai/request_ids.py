@@ -1,0 +1,56 @@
+"""Request ids a client chooses, as vLLM's server takes them: the `X-Request-Id` header, else
+the body's `request_id` (vLLM's extension of chat and completions), names the answer
+(`chatcmpl-<id>`, `cmpl-<id>`), so a client or the proxy in front can find a request in the logs
+by an id of its own. With `--enable-request-id-headers`, every answer carries an `X-Request-Id`
+header too: the one its request sent, else a new one.
+
+Two requests may send the same id (a retry, a client's bug): the engine's own ids, which must be
+unique, add a random suffix to a client's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedray.scheduler.request_failure import refusal
+
+HEADER = "X-Request-Id"
+MAX_LENGTH = 256
+
+
+def answer_and_engine_ids(headers: Headers, body_id: str | None, own_id: str) -> tuple[str, str]:
+    """(the answer's id, the engine's) for a request: a client's id, after `own_id`'s prefix (up
+    to its "-"), and the same with a random suffix; else `own_id` for both. Raises ValueError
+    for a header id over `MAX_LENGTH` characters (the body's is held to it by its schema)."""
+    chosen = headers.get(HEADER, body_id)
+    if chosen is None:
+        return own_id, own_id
+    prefix = own_id.split("-", 1)[0] + "-"
+    if len(chosen) > MAX_LENGTH:
+        raise refusal(HEADER, f"at most {MAX_LENGTH} characters")
+    return f"{prefix}{chosen}", f"{prefix}{chosen}-{uuid.uuid4().hex[:8]}"
+
+
+class RequestIdHeaders:
+    """ASGI middleware: the `X-Request-Id` header on every answer, while `enabled_of()`."""
+
+    def __init__(self, app: ASGIApp, enabled_of: Callable[[], bool]) -> None:
+        self.app = app
+        self.enabled_of = enabled_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.enabled_of():
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get(HEADER) or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append(HEADER, request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
