@@ -61,6 +61,8 @@ class AnswerContext:
     # in tokens for the usage (vLLM's `reasoning_tokens`); None: not counted.
     reasoning_tags: Mapping[str, int] | None = None
     num_prompt_tokens: int = 0  # summed over the prompts, known before any output
+    # vLLM's return_token_ids: each prompt's token ids, shown with each choice's own.
+    prompt_token_ids: list[list[int]] | None = None
     # One timestamp for every chunk of the answer, as OpenAI and vLLM stamp them.
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -78,6 +80,14 @@ class AnswerContext:
         if self.reasoning is None:  # no thinking (Qwen3's turned off, JSON from the first token)
             return ThoughtCounter(False, None, frozenset())
         return self.reasoning.counter(self.reasoning_tags)
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """Choice `index`'s prompt token ids, if the answer shows token ids."""
+        return None if self.prompt_token_ids is None else self.prompt_token_ids[index // self.n]
+
+    def token_ids(self, delta: ChoiceDelta) -> list[int] | None:
+        """A delta's token ids, if the answer shows them."""
+        return None if self.prompt_token_ids is None else delta.token_ids
 
     def echo_text(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
@@ -198,6 +208,8 @@ async def completion_response(
                 logprobs=_completion_logprobs(ctx, i, c) if ctx.num_logprobs is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_token_ids=ctx.prompt_ids(i),
+                token_ids=ctx.token_ids(c),
             )
             for i, c in enumerate(choices)
         ],
@@ -249,10 +261,12 @@ async def chat_response(
                 ),
                 finish_reason=finish_reasons[i],
                 stop_reason=c.stop_reason,
+                token_ids=ctx.token_ids(c),
             )
             for i, c in enumerate(choices)
         ],
         usage=usage.info(),
+        prompt_token_ids=ctx.prompt_ids(0),
     )
 
 
@@ -275,6 +289,8 @@ async def completion_chunks(ctx: AnswerContext, streams: EngineStreams) -> Async
     if ctx.echo and ctx.num_logprobs is None:
         for i in range(ctx.num_choices):
             yield chunk([CompletionChoice(index=i, text=ctx.echo_text(i))])
+    # return_token_ids: a choice's first chunk carries its prompt's token ids.
+    unshown_prompts = set(range(ctx.num_choices)) if ctx.prompt_token_ids is not None else set()
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
             if ctx.include_usage:
@@ -288,16 +304,21 @@ async def completion_chunks(ctx: AnswerContext, streams: EngineStreams) -> Async
         if ctx.num_logprobs is not None:
             logprobs = ctx.logprobs.completion(delta, offsets[index])
         offsets[index] += len(delta.text)
-        if delta.finish_reason is None and delta.stop_reason is None and logprobs is None:
+        plain = delta.finish_reason is None and delta.stop_reason is None and logprobs is None
+        if plain and ctx.prompt_token_ids is None:
             if delta.text:  # text alone: most chunks
                 yield text_only.event(index, delta.text)
             continue
+        prompt_ids = ctx.prompt_ids(index) if index in unshown_prompts else None
+        unshown_prompts.discard(index)
         choice = CompletionChoice(
             index=index,
             text=delta.text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
+            prompt_token_ids=prompt_ids,
+            token_ids=ctx.token_ids(delta),
         )
         yield chunk([choice])
     yield SSE_DONE
@@ -307,10 +328,17 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
     """A role chunk per choice, content chunks, a usage chunk if asked, then `[DONE]`."""
 
     def model(
-        choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
+        choices: list[ChatCompletionStreamChoice],
+        usage: UsageInfo | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage
+            id=ctx.request_id,
+            created=ctx.created,
+            model=ctx.model,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_token_ids,
         )
 
     def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
@@ -324,7 +352,14 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
 
     for i in range(ctx.num_choices):
         role = DeltaMessage(role="assistant", content="")
-        yield chunk([ChatCompletionStreamChoice(index=i, delta=role)])
+        # return_token_ids: the first chunk carries the prompt's token ids.
+        yield sse(
+            model(
+                [ChatCompletionStreamChoice(index=i, delta=role)],
+                None,
+                ctx.prompt_ids(i) if i == 0 else None,
+            )
+        )
     parts = [ChoiceParts.of(ctx) for _ in range(ctx.num_choices)]
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:
@@ -341,10 +376,12 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
         message = DeltaMessage(content=content, tool_calls=calls, reasoning=reasoning)
         finish_reason = parts[index].finish_reason(delta.finish_reason)
         said = message.content or message.tool_calls or message.reasoning
-        quiet = not said and finish_reason is None
-        if quiet and logprobs is None:
+        # A delta whose text is held (a tag not whole yet) still shows its tokens' logprobs or
+        # ids, whichever the request asked for.
+        shown = logprobs is not None or ctx.prompt_token_ids is not None
+        if not said and finish_reason is None and not shown:
             continue
-        plain = finish_reason is None and delta.stop_reason is None and logprobs is None
+        plain = finish_reason is None and delta.stop_reason is None and not shown
         if plain and not message.tool_calls and not message.reasoning:
             yield text_only.event(index, message.content or "")  # text alone: most chunks
             continue
@@ -354,6 +391,7 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
+            token_ids=ctx.token_ids(delta),
         )
         yield chunk([choice])
     yield SSE_DONE

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -115,6 +115,10 @@ class _GenerationRequest(ConstraintFields):
     cache_salt: str | None = _bounded(None, minLength=1)
     priority: int = 0
     user: str | None = None
+    # vLLM's: the prompt's and each choice's token ids in the answer (in a stream, the prompt's
+    # in the first chunk and each chunk's own); logprobs' tokens named "token_id:<id>".
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _GenerationRequest:
@@ -347,12 +351,32 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _VLLMExtensions(BaseModel):
+    """A model whose vLLM extensions (`_OPTIONAL`) are left out of its JSON while absent, so an
+    answer that asks for none has exactly OpenAI's shape."""
+
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extensions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self._OPTIONAL:
+                if data.get(name) is None:
+                    data.pop(name, None)
+        return data
+
+
+class CompletionChoice(_VLLMExtensions):
+    _OPTIONAL = ("prompt_token_ids", "token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's extension: the stop string or token id
+    prompt_token_ids: list[int] | None = None  # return_token_ids (a stream's first chunk)
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -388,15 +412,20 @@ class ChatResponseMessage(BaseModel):
     reasoning: str | None = None  # vLLM's field: the thinking (`--reasoning-parser`)
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_VLLMExtensions):
+    _OPTIONAL = ("token_ids",)
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_VLLMExtensions):
+    _OPTIONAL = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -404,31 +433,32 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_VLLMExtensions):
+    _OPTIONAL = ("reasoning",)  # every chunk stays as it was without a parser
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     reasoning: str | None = None  # vLLM's field; only in a chunk that has some
 
-    @model_serializer(mode="wrap")
-    def _without_absent_reasoning(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict) and data.get("reasoning") is None:
-            data.pop("reasoning", None)  # every chunk stays as it was without a parser
-        return data
 
+class ChatCompletionStreamChoice(_VLLMExtensions):
+    _OPTIONAL = ("token_ids",)
 
-class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_VLLMExtensions):
+    _OPTIONAL = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -436,6 +466,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):

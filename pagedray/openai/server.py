@@ -27,7 +27,7 @@ from pagedray.openai.cors import CORSSettings
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
-from pagedray.openai.protocol import ChatCompletionRequest, ModelCard
+from pagedray.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
 from pagedray.openai.reasoning import ReasoningParser, reasoning_tag_ids
 from pagedray.openai.request_body import BodyError
 from pagedray.openai.request_log import RequestLog, warn_if_unseen
@@ -157,10 +157,11 @@ class OpenAIServer:
             model=self.model_name,
             n=params.n,
             num_prompts=1,
-            logprobs=self.logprobs,
+            logprobs=self.logprob_formatter(body),
             num_logprobs=params.logprobs,
             include_usage=body.include_usage or self.config.enable_force_include_usage,
             num_prompt_tokens=len(prompt.token_ids),
+            prompt_token_ids=[prompt.token_ids] if body.return_token_ids else None,
             tool_calls=ToolCallOutput.of(
                 body.tool_dicts(),
                 body.tool_choice_value(),
@@ -176,6 +177,13 @@ class OpenAIServer:
             request_id, [prompt], [params], body.priority, body.stream, grammar_after
         )
         return streams if isinstance(streams, Response) else (ctx, streams)
+
+    def logprob_formatter(
+        self, body: ChatCompletionRequest | CompletionRequest
+    ) -> LogprobFormatter:
+        """How the request's logprobs name tokens: by text, or by id (vLLM's
+        `return_tokens_as_token_ids`)."""
+        return self.logprobs.named_by_id() if body.return_tokens_as_token_ids else self.logprobs
 
     def _reasoning(
         self, body: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]

@@ -5,6 +5,7 @@ records the ingress's metrics. The engine streams themselves are in `engine_stre
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import time
@@ -86,6 +87,18 @@ class LogprobFormatter:
         self.tokenizer = tokenizer
         self._token_strs: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
+        self.by_id = False  # tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+
+    def named_by_id(self) -> LogprobFormatter:
+        """The same formatter (and caches), its tokens named "token_id:<id>", as vLLM's
+        `return_tokens_as_token_ids` names them: ids any client can map back, where a token's
+        text may not survive JSON."""
+        named = copy.copy(self)
+        named.by_id = True
+        return named
+
+    def name(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.by_id else self.token_str(token_id)
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strs.get(token_id)
@@ -110,12 +123,11 @@ class LogprobFormatter:
     def completion(self, delta: ChoiceDelta, text_offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for token_id, entries in zip(delta.token_ids, map(_finite, delta.logprobs or [])):
-            token = self.token_str(token_id)
-            result.tokens.append(token)
+            result.tokens.append(self.name(token_id))
             result.token_logprobs.append(entries.get(token_id))
-            result.top_logprobs.append({self.token_str(t): lp for t, lp in entries.items()})
+            result.top_logprobs.append({self.name(t): lp for t, lp in entries.items()})
             result.text_offset.append(text_offset)
-            text_offset += _text_length(token)
+            text_offset += _text_length(self.token_str(token_id))
         return result
 
     def prompt(
@@ -126,14 +138,13 @@ class LogprobFormatter:
         text_offset = 0
         finite = [None if entries is None else _finite(entries) for entries in prompt_logprobs]
         for token_id, entries in zip(token_ids, finite):
-            token = self.token_str(token_id)
-            result.tokens.append(token)
+            result.tokens.append(self.name(token_id))
             result.token_logprobs.append(None if entries is None else entries.get(token_id))
             result.top_logprobs.append(
-                None if entries is None else {self.token_str(t): lp for t, lp in entries.items()}
+                None if entries is None else {self.name(t): lp for t, lp in entries.items()}
             )
             result.text_offset.append(text_offset)
-            text_offset += _text_length(token)
+            text_offset += _text_length(self.token_str(token_id))
         return result
 
     def chat(self, delta: ChoiceDelta, num_top: int) -> list[ChatTokenLogprob]:
@@ -150,7 +161,7 @@ class LogprobFormatter:
         return result
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        token = self.token_str(token_id)
+        token = self.name(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(self.token_bytes(token_id)))
 
 

@@ -255,3 +255,49 @@ def test_a_client_request_id_names_the_answer_and_the_header_comes_back(
     echoed = http.get("/health", headers={"X-Request-Id": "probe-9"}).headers["X-Request-Id"]
     made = http.get("/v1/models", headers=AUTH).headers["X-Request-Id"]
     assert echoed == "probe-9" and len(made) == 32 and int(made, 16) >= 0
+
+
+def test_return_token_ids_shows_the_prompt_and_each_choice_in_tokens(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    """vLLM's `return_token_ids` (what RL and agent frameworks read): the prompt's token ids and
+    each choice's, whole; streamed, the prompt's in the first chunk and each chunk's own, which
+    join into the whole answer's. `return_tokens_as_token_ids` names logprobs' tokens by id.
+    Without them, no answer carries the fields."""
+    http = served[0]
+    messages: Any = [{"role": "user", "content": "Count."}]
+    asks: Any = {"model": "x", "max_tokens": 6, "temperature": 0.0}
+    ids: Any = {"return_token_ids": True, "ignore_eos": True}
+    chat: Any = sdk.chat.completions.create(messages=messages, **asks, extra_body=ids)
+    text: Any = sdk.completions.create(prompt=[PROMPT, PROMPT], n=2, **asks, extra_body=ids)
+    chunks: Any = list(
+        sdk.chat.completions.create(messages=messages, **asks, stream=True, extra_body=ids)
+    )
+    text_chunks: Any = list(
+        sdk.completions.create(prompt=PROMPT, **asks, stream=True, extra_body=ids)
+    )
+    named: Any = sdk.completions.create(
+        prompt=PROMPT, **asks, logprobs=1, extra_body={**ids, "return_tokens_as_token_ids": True}
+    )
+    assert chat.prompt_token_ids and len(chat.choices[0].token_ids) == 6
+    assert [choice.prompt_token_ids for choice in text.choices] == [PROMPT] * 4
+    assert [len(choice.token_ids) for choice in text.choices] == [6] * 4
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids
+    assert all(getattr(chunk, "prompt_token_ids", None) is None for chunk in chunks[1:])
+    streamed = [
+        t for chunk in chunks for c in chunk.choices for t in getattr(c, "token_ids", None) or []
+    ]
+    assert streamed == chat.choices[0].token_ids
+    assert text_chunks[0].choices[0].prompt_token_ids == PROMPT
+    streamed = [
+        t
+        for chunk in text_chunks
+        for c in chunk.choices
+        for t in getattr(c, "token_ids", None) or []
+    ]
+    assert streamed == text.choices[0].token_ids
+    tokens = named.choices[0].logprobs.tokens
+    assert tokens == [f"token_id:{t}" for t in named.choices[0].token_ids]
+    assert list(named.choices[0].logprobs.top_logprobs[0]) == [tokens[0]]
+    plain = http.post("/v1/completions", json={"prompt": PROMPT, **asks}, headers=AUTH).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]

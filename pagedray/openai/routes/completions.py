@@ -47,11 +47,12 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
         model=server.model_name,
         n=body.n,
         num_prompts=len(prompts),
-        logprobs=server.logprobs,
+        logprobs=server.logprob_formatter(body),
         num_logprobs=body.logprobs,
         include_usage=body.include_usage or server.config.enable_force_include_usage,
         echo=echo,
         echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
+        prompt_token_ids=[p.token_ids for p in prompts] if body.return_token_ids else None,
     )
     streams = await server.open(engine_id, prompts, params, body.priority, body.stream)
     if isinstance(streams, Response):
