@@ -11,6 +11,7 @@ runs) and `choice_request` (one choice of a forked request as a request of its o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import secrets
@@ -194,14 +195,15 @@ def choice_request(request: GenerateRequest, index: int, tokens: list[int]) -> G
     params = request.sampling_params.clone(
         n=1, seed=child_seed(request.sampling_params.seed, index), prompt_logprobs=None
     )
-    choice = GenerateRequest(
-        f"{request.request_id}-choice{index}",
-        request.prompt_token_ids,
-        params,
-        request.priority,
-        request.cache_salt,
-        request.stream_interval,
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-choice{index}",
+        sampling_params=params,
         output_token_ids=list(tokens),
+        channel_id=None,
+        pull_from=None,
+        routing_hashes=None,
+        routing_decision=None,
+        on_routed=None,
+        failed_replica_ids=set(request.failed_replica_ids),
     )
-    choice.failed_replica_ids = set(request.failed_replica_ids)
-    return choice

@@ -145,7 +145,7 @@ class LLM:
 
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:
-        return ThinkingTokens.of(self.tokenizer)
+        return ThinkingTokens.of(self.tokenizer, self.config.reasoning_parser)
 
     def chat(
         self,

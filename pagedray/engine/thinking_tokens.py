@@ -16,26 +16,40 @@ from typing import Any, Sequence
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+# Where a turn starts, for the parsers whose prompts are read only back to it: Qwen3's template
+# keeps the thinking of the assistant turns since the last user message (a tool-call loop),
+# and a new turn thinks anew, so vLLM's Qwen3 parser stops at these.
+TURN_BOUNDARIES = {"qwen3": ("<|im_start|>", "<|im_end|>")}
 
 
 @dataclass(frozen=True)
 class ThinkingTokens:
-    """The ids of a vocabulary's thinking tags."""
+    """The ids of a vocabulary's thinking tags, and of the turn boundaries a prompt is read
+    back to (none: the whole prompt)."""
 
     start: int | None  # `<think>`, where it is one token
     end: int  # `</think>`
+    boundaries: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, tokenizer: Any) -> ThinkingTokens | None:
-        """The tags' ids; None where `</think>` is not one token of the vocabulary."""
+    def of(cls, tokenizer: Any, parser: str | None = None) -> ThinkingTokens | None:
+        """The tags' ids, and the turn boundaries of `parser` (`--reasoning-parser`); None where
+        `</think>` is not one token of the vocabulary."""
         end = single_token_id(tokenizer, THINK_END)
-        return None if end is None else cls(single_token_id(tokenizer, THINK_START), end)
+        if end is None:
+            return None
+        boundaries = (single_token_id(tokenizer, b) for b in TURN_BOUNDARIES.get(parser or "", ()))
+        return cls(
+            single_token_id(tokenizer, THINK_START),
+            end,
+            frozenset(b for b in boundaries if b is not None),
+        )
 
     def grammar_after(self, prompt_token_ids: Sequence[int]) -> int | None:
         """The token after which an output of this prompt holds to its grammar: `</think>`,
-        unless the prompt's thinking is closed already (its last tag is a `</think>`)."""
+        unless the prompt's thinking is closed already (its turn's last tag is a `</think>`)."""
         for token_id in reversed(prompt_token_ids):
-            if token_id == self.start:
+            if token_id == self.start or token_id in self.boundaries:
                 return self.end
             if token_id == self.end:
                 return None
@@ -43,6 +57,10 @@ class ThinkingTokens:
 
 
 def single_token_id(tokenizer: Any, text: str) -> int | None:
-    """`text`'s id where it is one token of the vocabulary."""
+    """`text`'s id where it is one token of the vocabulary: an added token, or what it encodes
+    to alone (a SentencePiece vocabulary may spell it with a word-start mark)."""
+    token_id = tokenizer.convert_tokens_to_ids(text)
+    if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+        return token_id
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None

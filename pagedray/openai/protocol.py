@@ -30,6 +30,7 @@ from pagedray.openai.constraints import (
     ToolFields,
 )
 from pagedray.openai.request_ids import MAX_LENGTH as MAX_REQUEST_ID_LENGTH
+from pagedray.openai.request_ids import PATTERN as REQUEST_ID_PATTERN
 from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import (
     MAX_INT32,
@@ -83,7 +84,9 @@ class _GenerationRequest(ConstraintFields):
 
     model: str | None = None
     # vLLM's: names the answer (`chatcmpl-<id>`), unless the X-Request-Id header does.
-    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_LENGTH)
+    request_id: str | None = Field(
+        None, max_length=MAX_REQUEST_ID_LENGTH, pattern=REQUEST_ID_PATTERN
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = _bounded(1, minimum=1, maximum=MAX_N)

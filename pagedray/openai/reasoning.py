@@ -27,7 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from pagedray.engine.thinking_tokens import THINK_END, THINK_START, single_token_id
+from pagedray.engine.thinking_tokens import (
+    THINK_END,
+    THINK_START,
+    TURN_BOUNDARIES,
+    single_token_id,
+)
 
 TOOL_CALL_START = "<tool_call>"
 
@@ -56,6 +61,9 @@ class ReasoningParser:
         without one, or with Qwen3's thinking turned off."""
         if name is None:
             return None
+        if not continues:  # the prompt is read back to its turn's start, where it has one
+            cut = max((prompt_tail.rfind(b) for b in TURN_BOUNDARIES.get(name, ())), default=-1)
+            prompt_tail = prompt_tail[cut + 1 :] if cut >= 0 else prompt_tail
         start, end = prompt_tail.rfind(THINK_START), prompt_tail.rfind(THINK_END)
         if continues:  # a prefill continues inside the thinking only if it opened one
             starts_inside = start > end and not constrained

@@ -10,6 +10,7 @@ unique, add a random suffix to a client's.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Callable
 
@@ -20,18 +21,21 @@ from pagedray.scheduler.request_failure import refusal
 
 HEADER = "X-Request-Id"
 MAX_LENGTH = 256
+# Visible ASCII only: an id goes into log lines, where a newline or a control character would
+# forge or hide one.
+PATTERN = r"^[\x21-\x7e]+$"
 
 
 def answer_and_engine_ids(headers: Headers, body_id: str | None, own_id: str) -> tuple[str, str]:
     """(the answer's id, the engine's) for a request: a client's id, after `own_id`'s prefix (up
     to its "-"), and the same with a random suffix; else `own_id` for both. Raises ValueError
-    for a header id over `MAX_LENGTH` characters (the body's is held to it by its schema)."""
-    chosen = headers.get(HEADER, body_id)
+    for a header id past `MAX_LENGTH` or `PATTERN` (the body's is held to them by its schema)."""
+    chosen = headers.get(HEADER) or body_id  # an empty header is none
     if chosen is None:
         return own_id, own_id
     prefix = own_id.split("-", 1)[0] + "-"
-    if len(chosen) > MAX_LENGTH:
-        raise refusal(HEADER, f"at most {MAX_LENGTH} characters")
+    if len(chosen) > MAX_LENGTH or not re.match(PATTERN, chosen):
+        raise refusal(HEADER, f"1 to {MAX_LENGTH} visible ASCII characters")
     return f"{prefix}{chosen}", f"{prefix}{chosen}-{uuid.uuid4().hex[:8]}"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedray.cluster.migration import MigrationPolicy
+from pagedray.cluster.migration import MigrationPolicy, choice_request
 from pagedray.engine.wire import GenerateRequest
 from pagedray.scheduler.sampling_params import SamplingParams
 
@@ -44,3 +44,24 @@ def test_each_request_gets_a_seed_of_its_own() -> None:
         MigrationPolicy().seed_for_moving(request)
         seeds.add(request.sampling_params.seed)
     assert len(seeds) == 64  # as random as the unseeded draws they replace
+
+
+def test_a_choice_that_moves_keeps_all_its_request_carries() -> None:
+    """A choice of n > 1 that moves is its own request of one choice: its own seed and id, the
+    output it had, the replicas that failed it, and all the rest of what its request carried
+    (a reasoning model's grammar that holds after the thinking, among others); nothing the
+    router set for the first attempt."""
+    request = _request(temperature=1.0, seed=3, n=2, prompt_logprobs=1)
+    request.priority, request.cache_salt, request.grammar_after_token_id = 5, "tenant", 42
+    request.channel_id, request.routing_hashes = "ingress-1", [b"h"]
+    request.failed_replica_ids = {"a"}
+    choice = choice_request(request, 1, [7, 8])
+    assert choice.request_id == "r-choice1" and choice.output_token_ids == [7, 8]
+    assert choice.sampling_params.n == 1 and choice.sampling_params.prompt_logprobs is None
+    assert choice.sampling_params.seed != request.sampling_params.seed
+    assert (choice.priority, choice.cache_salt, choice.grammar_after_token_id) == (5, "tenant", 42)
+    assert choice.channel_id is None and choice.routing_hashes is None
+    assert (
+        choice.failed_replica_ids == {"a"}
+        and choice.failed_replica_ids is not request.failed_replica_ids
+    )

@@ -245,9 +245,16 @@ def test_a_client_request_id_names_the_answer_and_the_header_comes_back(
             )
         )
     assert [(a.id, a.choices[0].finish_reason) for a in answers] == [("chatcmpl-dup", "length")] * 4
-    long_id = {"X-Request-Id": "x" * 257}
-    refused = http.post("/v1/chat/completions", json={"messages": messages}, headers=AUTH | long_id)
-    assert refused.status_code == 400 and "X-Request-Id" in refused.json()["error"]["message"]
+    # Ids go into log lines: 256 visible ASCII characters at most, in the header or the body.
+    for bad in ("x" * 257, "two words"):
+        header = {"X-Request-Id": bad}
+        refused = http.post(
+            "/v1/chat/completions", json={"messages": messages}, headers=AUTH | header
+        )
+        assert refused.status_code == 400 and "X-Request-Id" in refused.json()["error"]["message"]
+    forged = {"messages": messages, "request_id": "ok\nERROR forged line"}
+    refused = http.post("/v1/chat/completions", json=forged, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id"
     assert "X-Request-Id" not in http.get("/health").headers  # off by default
     server = served[1]
     on = server.config.model_copy(update={"enable_request_id_headers": True})

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from pagedray.engine.config import EngineConfig
+from pagedray.engine.thinking_tokens import ThinkingTokens
 from pagedray.openai.answers import AnswerContext, ChoiceParts
 from pagedray.openai.local_app import local_openai_app
 from pagedray.openai.reasoning import ReasoningParser
@@ -325,6 +326,22 @@ def test_tool_calls_are_read_from_the_content_only(name: str, text: str, thinkin
     assert parts.finish_reason("stop") == "tool_calls"
 
 
+def test_qwen3_reads_the_prompt_back_to_its_turn_only() -> None:
+    """Qwen3's template keeps an earlier assistant turn's thinking (a tool-call loop): a closed
+    thinking before the last turn boundary does not make the new turn start in the content, in
+    the text rule (served) or the token rule (offline and the engine's grammar), as vLLM's
+    Qwen3 parser reads it; DeepSeek-R1's reads the whole prompt."""
+    loop = "<think>plan</think><tool_call>{}</tool_call><|im_end|>\n<|im_start|>assistant\n"
+    assert ReasoningParser.of("qwen3", {}, prompt_tail=loop).thinking
+    closed = loop + "<think>\n\n</think>\n\n"  # the template's thinking off
+    assert not ReasoningParser.of("qwen3", {}, prompt_tail=closed).thinking
+    assert not ReasoningParser.of("deepseek_r1", {}, prompt_tail=loop).thinking
+    tags = ThinkingTokens(start=510, end=511, boundaries=frozenset({3, 4}))
+    assert tags.grammar_after([510, 9, 511, 12, 4, 3, 9]) == 511  # thinks anew: after `</think>`
+    assert tags.grammar_after([4, 3, 9, 510, 511, 9]) is None  # this turn closed it
+    assert ThinkingTokens(510, 511).grammar_after([510, 9, 511, 12, 4, 3, 9]) is None
+
+
 @pytest.mark.parametrize(
     ("parser", "tokens", "count"),
     [
@@ -431,7 +448,7 @@ def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
                 content += delta.content or ""
         called: Any = ask(False, tools=tools, tool_choice="required").choices[0].message
         responses_usage: Any = sdk.responses.create(
-            model="x", input="Think, then answer.", max_output_tokens=40
+            model="x", input="Think, then answer.", max_output_tokens=40, temperature=0.0
         ).usage
     whole = answer.choices[0]
     said = whole.message
@@ -440,8 +457,10 @@ def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
     assert (reasoning, content) == (said.reasoning, said.content)
     assert called.reasoning and called.content is None
     assert [call.function.name for call in called.tool_calls] == ["f"]
-    # The thinking in tokens, as vLLM counts it (the tokens before `</think>`), whole and
-    # streamed; the Responses API's output_tokens_details too (the model never closes it there).
+    # The thinking in tokens (those before `</think>`; vLLM's count starts only at a `<think>`
+    # the model writes, so it says 0 where the template opened the thinking), whole and
+    # streamed; the Responses API's output_tokens_details too (greedy, the model never closes
+    # it there).
     tokens = [entry.token for entry in whole.logprobs.content]
     thought = tokens.index("</think>")
     assert answer.usage.completion_tokens_details.reasoning_tokens == thought
