@@ -21,6 +21,11 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on |bias|
 # float32 logits): a value past them could only fail inside a step, so it is refused here.
 MAX_INT32 = 2**31 - 1
 MAX_N = 1024
+MAX_BAD_WORDS = (
+    128  # vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts them tokenized; so does the validator)
+)
+# A client's vocabulary allowlist, bounded as a body is: the largest vocabularies (about 256k).
+MAX_ALLOWED_TOKEN_IDS = 2**18
 # Dividing a logit by a tiny penalty overflows float32 to inf (then NaN probabilities); HF and
 # vLLM only ask for > 0, these bounds are far past any useful setting.
 MIN_REPETITION_PENALTY = 0.01
@@ -67,6 +72,14 @@ class SamplingParams:
     # token id -> added to its logit before any other processing (OpenAI's logit_bias); -100
     # bans a token, +100 all but forces it.
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words the output must not contain (vLLM's bad_words): a word's last token is banned where
+    # the output so far ends with the rest of it, the word's tokens both as a word's start and
+    # mid-text. `bad_words_token_ids` is that tokenization, made by the PromptValidator (it
+    # holds the tokenizer); the sampler reads it.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
     # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs);
     # a dict of its fields is accepted too.
     structured_outputs: StructuredOutputsParams | None = None
@@ -81,6 +94,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.bad_words is None:
+            self.bad_words = []
         self._validate()
 
     def _validate(self) -> None:
@@ -148,6 +163,31 @@ class SamplingParams:
         )
         for stop in self.stop:
             _check(is_encodable(stop), "stop", "must be valid Unicode (no lone surrogates)")
+        if self.allowed_token_ids is not None:
+            _check(
+                isinstance(self.allowed_token_ids, list)
+                and 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                and all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                f"must be 1 to {MAX_ALLOWED_TOKEN_IDS} integer token ids",
+            )
+        _check(
+            isinstance(self.bad_words, list)
+            and len(self.bad_words) <= MAX_BAD_WORDS
+            and all(isinstance(w, str) and w and is_encodable(w) for w in self.bad_words),
+            "bad_words",
+            f"must be at most {MAX_BAD_WORDS} non-empty strings",
+        )
+        if self.bad_words_token_ids is not None:
+            _check(
+                isinstance(self.bad_words_token_ids, list)
+                and all(
+                    isinstance(word, list) and word and all(_is_int(t) and t >= 0 for t in word)
+                    for word in self.bad_words_token_ids
+                ),
+                "bad_words",
+                "token ids must be lists of token ids",
+            )
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),

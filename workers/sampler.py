@@ -1,9 +1,9 @@
 """Turns one step's last-position logits into next tokens, with vLLM's sampling semantics.
 
 Greedy batches without penalties or biases take a single batched argmax (the common case, every
-step); the general path applies logit_bias, min_tokens masking, penalties, temperature and
-top-k/top-p/min-p as per-row tensors over the whole batch, so per-row Python work stays limited
-to building those tensors.
+step); the general path applies logit_bias, allowed_token_ids and bad_words, min_tokens masking,
+penalties, temperature and top-k/top-p/min-p as per-row tensors over the whole batch, so per-row
+Python work stays limited to building those tensors.
 
 A row that cannot be sampled (its penalties or temperature drive its probabilities to NaN or
 inf, or anything raises while sampling it) fails alone: it is reported in `SampledRow.error`
@@ -90,6 +90,23 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
         values = torch.tensor(biases, dtype=logits.dtype, device=device)
         logits.index_put_(index, values, accumulate=True)
+
+
+def apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Masks with -inf, in place, each row's tokens outside its allowed_token_ids and the last
+    token of each bad word whose other tokens end the row's output (vLLM's rules)."""
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor(params.allowed_token_ids, device=logits.device)
+            kept = logits[i].index_select(0, allowed)
+            logits[i].fill_(float("-inf"))
+            logits[i].index_copy_(0, allowed, kept)
+        output = row.output_token_ids
+        for word in params.bad_words_token_ids or ():
+            start = len(word) - 1
+            if start <= len(output) and output[len(output) - start :] == word[:start]:
+                logits[i, word[-1]] = float("-inf")
 
 
 def apply_min_tokens(
@@ -211,6 +228,8 @@ class Sampler:
         return (
             params.greedy
             and not params.logit_bias
+            and params.allowed_token_ids is None
+            and not params.bad_words_token_ids
             and not has_penalties(params)
             and not _banned_token_ids(row, self.eos_token_ids)
         )
@@ -221,6 +240,7 @@ class Sampler:
         scratch = self._scratch.rows(logits.shape[0], logits.shape[1], logits.dtype, logits.device)
         logits = scratch.copy_(logits)
         apply_logit_bias(logits, rows)
+        apply_allowed_and_bad_words(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
         apply_penalties(logits, rows)
         samples: list[list[int] | None] = [None for _ in rows]

@@ -6,6 +6,7 @@ Shared by the offline `LLM` and the HTTP ingress, so both refuse the same prompt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from pagedray.engine.prompt_bound import chars_per_token
 from pagedray.engine.unicode_text import has_lone_surrogate
 from pagedray.scheduler.limits import check_max_tokens, check_n, check_prompt_length
 from pagedray.scheduler.request_failure import refusal
-from pagedray.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedray.scheduler.sampling_params import MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,16 @@ class PromptValidator:
         self.chat = ChatTokenizer(tokenizer, chat_template_kwargs)
         self.max_logprobs = max_logprobs  # per token; -1: the whole vocabulary (vLLM's)
         self.chars_per_token = chars_per_token(tokenizer)
+        # (tokens kept, "left" or "right"): prompts are cut to this many tokens (`truncating`).
+        self.truncation: tuple[int, str] | None = None
+
+    def truncating(self, keep: int, side: str | None = None) -> PromptValidator:
+        """This validator, cutting each prompt to its last `keep` tokens (`side` "right": its
+        first) before checking it, as vLLM's `truncate_prompt_tokens` does; -1 keeps as many as
+        `max_model_len` leaves room for one token of output."""
+        cutting = copy.copy(self)
+        cutting.truncation = (self.max_model_len - 1 if keep == -1 else keep, side or "left")
+        return cutting
 
     def validate(self, prompt: Any, params: SamplingParams) -> ValidatedPrompt:
         """Tokenize and check a prompt; raises ValueError naming the bad field.
@@ -94,7 +105,7 @@ class PromptValidator:
         """
         self.check_params(params)
         if isinstance(prompt, str):
-            return ValidatedPrompt(prompt, self._checked(self.encode(prompt)))
+            return self._validated(prompt, self.encode(prompt))
         if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
             raise refusal(
                 "prompt",
@@ -107,26 +118,50 @@ class PromptValidator:
             check_text("prompt", text)
         if "prompt_token_ids" not in prompt:
             assert text is not None  # the dict holds "prompt" or "prompt_token_ids", checked above
-            return ValidatedPrompt(text, self._checked(self.encode(text)), cache_salt)
+            return self._validated(text, self.encode(text), cache_salt)
         token_ids = prompt["prompt_token_ids"]
         if not isinstance(token_ids, (list, tuple)):
             raise refusal(
                 "prompt_token_ids", f"must be a list of token ids, got {type(token_ids).__name__}"
             )
-        return ValidatedPrompt(text, self._checked(list(token_ids)), cache_salt)
+        return self._validated(text, list(token_ids), cache_salt)
+
+    def _validated(
+        self, text: str | None, token_ids: list[int], cache_salt: str | None = None
+    ) -> ValidatedPrompt:
+        """The prompt, cut as `truncating` says (then without its text) and checked."""
+        kept = self.truncated(token_ids)
+        self.check_token_ids(kept)
+        return ValidatedPrompt(text if kept is token_ids else None, kept, cache_salt)
+
+    def truncated(self, token_ids: list[int]) -> list[int]:
+        """`token_ids` cut as `truncating` says (the same list if nothing is cut)."""
+        if self.truncation is None or self.truncation[0] >= len(token_ids):
+            return token_ids
+        keep, side = self.truncation
+        return token_ids[len(token_ids) - keep :] if side == "left" else token_ids[:keep]
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise refusal(
                 "sampling_params", f"expected SamplingParams, got {type(params).__name__}"
             )
-        if params.logit_bias:
-            outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        for name, token_ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            outside = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if outside:
                 raise refusal(
-                    "logit_bias",
-                    f"token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
+                    name, f"token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})"
                 )
+        if params.bad_words and params.bad_words_token_ids is None:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            if any(not 0 <= t < self.vocab_size for word in words for t in word):
+                raise refusal(
+                    "bad_words", f"tokenizes outside the vocabulary [0, {self.vocab_size})"
+                )
+            params.bad_words_token_ids = words
         check_n(self.max_num_seqs, params.n)
         for name in ("logprobs", "prompt_logprobs"):
             self.check_logprobs(name, getattr(params, name))
@@ -143,12 +178,18 @@ class PromptValidator:
     ) -> list[int]:
         """A text prompt's token ids, refused unread if it is too long to fit in any case."""
         check_text(field, text)
+        if self.truncation is not None and self.chars_per_token is not None:
+            # What is cut off is not tokenized: the kept side's longest spelling of
+            # `max_model_len` tokens covers every token kept.
+            limit = self.max_model_len * self.chars_per_token
+            text = text[-limit:] if self.truncation[1] == "left" else text[:limit]
         self.check_length(field, text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_length(self, field: str, text: str) -> None:
-        """Refuse a text longer than `max_model_len` tokens of the longest kind could spell."""
-        if self.chars_per_token is None:
+        """Refuse a text longer than `max_model_len` tokens of the longest kind could spell
+        (unless `truncating`: it is cut once tokenized)."""
+        if self.chars_per_token is None or self.truncation is not None:
             return
         limit = self.max_model_len * self.chars_per_token
         if len(text) > limit:
@@ -157,10 +198,6 @@ class PromptValidator:
                 f"{len(text)} characters cannot fit in max_model_len="
                 f"{self.max_model_len} tokens (at most {limit} characters)",
             )
-
-    def _checked(self, token_ids: list[int]) -> list[int]:
-        self.check_token_ids(token_ids)
-        return token_ids
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -209,9 +246,27 @@ class PromptValidator:
         """
         text = self.chat.render(messages, tools, ending)
         self.check_length("messages", text)
-        return self.chat.token_ids(messages, text, tools, ending)
+        return self.truncated(self.chat.token_ids(messages, text, tools, ending))
 
 
 def _is_token_id(value: Any) -> bool:
     # NOTE: bool is a subclass of int, but True is not token 1.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's tokens as vLLM bans them: as written (its leading spaces stripped), and
+    with one leading space where that makes other tokens of the same count (a word mid-text);
+    raises ValueError for a word of no tokens, or past `MAX_BAD_WORDS` tokenizations."""
+    words: list[list[int]] = []
+    for word in bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not alone:
+            raise refusal("bad_words", f"{word!r} is no token of this vocabulary")
+        words.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            words.append(spaced)
+    if len(words) > MAX_BAD_WORDS:
+        raise refusal("bad_words", f"at most {MAX_BAD_WORDS} once tokenized, got {len(words)}")
+    return words

@@ -37,6 +37,7 @@ def completion_prompts(
     a `max_tokens` that does not fit beside a prompt is refused (vLLM's 400), never clamped
     (`PromptValidator.limit_output`)."""
     params = body.to_sampling_params(validator.sampling_defaults)
+    validator = _truncating(validator, body)
     prompts, prompt_params = [], []
     for prompt in body.prompts():
         key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
@@ -56,6 +57,7 @@ def chat_prompt(
     """Sampling parameters and the conversation's validated prompt (content read as text)."""
     params = body.to_sampling_params(validator.sampling_defaults)
     validator.check_logprobs("top_logprobs", body.top_logprobs)  # named as the client sent it
+    validator = _truncating(validator, body)
     token_ids = chat_token_ids(validator, body)
     prompt = validator.validate(
         {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params
@@ -63,6 +65,15 @@ def chat_prompt(
     # The field the client set is the one to blame (max_completion_tokens wins when both are).
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     return validator.limit_output(params, len(prompt.token_ids), field), prompt
+
+
+def _truncating(
+    validator: PromptValidator, body: ChatCompletionRequest | CompletionRequest
+) -> PromptValidator:
+    """The validator that cuts the request's prompts as its `truncate_prompt_tokens` says."""
+    if body.truncate_prompt_tokens is None:
+        return validator
+    return validator.truncating(body.truncate_prompt_tokens, body.truncation_side)
 
 
 def chat_token_ids(validator: PromptValidator, body: ChatCompletionRequest) -> list[int]:

@@ -115,6 +115,12 @@ class _GenerationRequest(ConstraintFields):
             "maximum": MAX_LOGIT_BIAS,
         },
     )
+    allowed_token_ids: list[int] | None = _bounded(None, items=_TOKEN_ID, minItems=1)
+    bad_words: list[str] | None = None
+    # vLLM's: keep this many of the prompt's tokens (-1: as many as max_model_len leaves a
+    # token of output), its last ("left", the default) or its first ("right").
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)
+    truncation_side: Literal["left", "right"] | None = None
     cache_salt: str | None = _bounded(None, minLength=1)
     priority: int = 0
     user: str | None = None
@@ -163,6 +169,8 @@ class _GenerationRequest(ConstraintFields):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
             prompt_logprobs=prompt_logprobs,
         )
 

@@ -308,3 +308,40 @@ def test_return_token_ids_shows_the_prompt_and_each_choice_in_tokens(
     assert list(named.choices[0].logprobs.top_logprobs[0]) == [tokens[0]]
     plain = http.post("/v1/completions", json={"prompt": PROMPT, **asks}, headers=AUTH).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    """vLLM's `allowed_token_ids` (only those are sampled), `bad_words` (a word never comes
+    out, at the text's start or mid-text) and `truncate_prompt_tokens` (the prompt cut to its
+    last tokens, or its first with `truncation_side: "right"`; -1 to what max_model_len leaves
+    room for), read back through `return_token_ids`."""
+    asks: Any = {"model": "x", "temperature": 0.0}
+    ids: Any = {"return_token_ids": True, "ignore_eos": True}
+
+    def complete(prompt: Any = PROMPT, max_tokens: int = 12, **extra: Any) -> Any:
+        body = {**ids, **extra}
+        return sdk.completions.create(
+            prompt=prompt, **asks, max_tokens=max_tokens, extra_body=body
+        ).choices[0]
+
+    free = complete()
+    allowed = sorted({40, 41, 42} - set(free.token_ids))
+    held = complete(allowed_token_ids=allowed)
+    assert set(held.token_ids) <= set(allowed)
+    word = served[1].tokenizer.decode(free.token_ids[:1]).strip()
+    banned = complete(bad_words=[word])
+    assert word not in banned.text.split() and banned.token_ids[0] != free.token_ids[0]
+    for keep, side, kept in ((3, None, PROMPT[-3:]), (3, "right", PROMPT[:3]), (20, None, PROMPT)):
+        cut = complete(truncate_prompt_tokens=keep, truncation_side=side)
+        assert cut.prompt_token_ids == kept
+        assert cut.token_ids == complete(kept).token_ids  # as if the client had sent them
+    long_text = "the river " * 2000  # past max_model_len: refused unless cut
+    with pytest.raises(openai.BadRequestError):
+        complete(long_text)
+    whole = complete(long_text, max_tokens=1, truncate_prompt_tokens=-1)
+    assert len(whole.prompt_token_ids) == served[1].validator.max_model_len - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        complete(allowed_token_ids=[10**6])
+    assert refused.value.body["param"] == "allowed_token_ids"  # type: ignore[index]

@@ -15,6 +15,7 @@ from pagedray.workers.inverse_cdf import inverse_cdf, snap_to_weighted
 from pagedray.workers.sampler import (
     Sampler,
     SamplingRow,
+    apply_allowed_and_bad_words,
     apply_min_tokens,
     apply_penalties,
 )
@@ -322,6 +323,42 @@ def test_logit_bias_is_added_before_everything_else() -> None:
     # A biased greedy batch leaves the argmax fast path.
     alone = make_sampler()(logits[:1], [row(temperature=0.0, logit_bias={top[0]: -100.0})])
     assert alone[0].token_ids == out[0].token_ids
+
+
+def test_allowed_token_ids_keep_only_those_tokens() -> None:
+    logits = random_logits(3, seed=5)
+    allowed = [2, 9, 11]
+    rows = [
+        row(temperature=0.0, allowed_token_ids=allowed),
+        row(seed=3, num_samples=200, allowed_token_ids=allowed),
+        row(temperature=0.0),  # untouched
+    ]
+    out = make_sampler()(logits, rows)
+    assert out[0].token_ids == [allowed[int(logits[0, allowed].argmax())]]
+    assert set(out[1].token_ids) <= set(allowed) and len(set(out[1].token_ids)) > 1
+    assert out[2].token_ids == [int(logits[2].argmax())]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    output=st.lists(st.integers(0, 3), max_size=6),
+    words=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), min_size=1, max_size=3),
+)
+def test_bad_words_ban_a_word_s_last_token_after_the_rest_of_it(
+    output: list[int], words: list[list[int]]
+) -> None:
+    """vLLM's rule: a word's last token is banned where the output ends with the word's other
+    tokens (a one-token word always); nothing else changes."""
+    logits = torch.zeros(1, VOCAB)
+    sampled = row(temperature=0.0, output=output)
+    sampled.params.bad_words_token_ids = words
+    apply_allowed_and_bad_words(logits, [sampled])
+    banned = {
+        w[-1]
+        for w in words
+        if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1 :] == w[:-1]
+    }
+    assert {t for t in range(VOCAB) if logits[0, t] == -math.inf} == banned
 
 
 # ---- fault isolation: one row's failure is its own -----------------------------------------
