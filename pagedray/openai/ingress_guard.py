@@ -37,7 +37,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_MAX_S = 10.0
 # Answered without the API key: what a load balancer probes, and (as vLLM does) the metrics.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 

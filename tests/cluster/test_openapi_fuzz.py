@@ -34,6 +34,9 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"),
     ("GET", "/health"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
+    ("GET", "/version"),
     ("GET", "/stats"),
 ]
 

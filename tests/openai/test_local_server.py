@@ -345,3 +345,11 @@ def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(
     with pytest.raises(openai.BadRequestError) as refused:
         complete(allowed_token_ids=[10**6])
     assert refused.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
+
+
+def test_ping_and_version_answer_without_the_key(served: tuple[TestClient, OpenAIServer]) -> None:
+    """vLLM's `/ping` (SageMaker's health check, GET or POST) and `/version`, open as /health."""
+    http = served[0]
+    assert http.get("/ping").json() == http.post("/ping").json() == http.get("/health").json()
+    version = http.get("/version").json()["version"]
+    assert version and version[0].isdigit()

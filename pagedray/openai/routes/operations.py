@@ -1,9 +1,11 @@
-"""What operators and clients ask of the server itself: the served models, health, the engines'
-statistics and Prometheus metrics."""
+"""What operators and clients ask of the server itself: the served models, health (and vLLM's
+`/ping`), the version, the engines' statistics and Prometheus metrics."""
 
 from __future__ import annotations
 
 import uuid
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -16,6 +18,16 @@ from pagedray.openai.serving import engine_error_response, error_response
 from pagedray.scheduler.request_failure import RequestFailure
 
 router = APIRouter()
+
+
+def pagedray_version() -> str:
+    """The installed package's version ("unknown" from a source tree never installed)."""
+    try:
+        return package_version("pagedray")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 # vLLM's Prometheus content type.
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -42,6 +54,8 @@ async def retrieve_model(model_id: str, server: OpenAIServer = Depends(openai_se
 
 
 @router.get("/health", responses=responses(None, errors=(503,)))
+# vLLM's SageMaker ping: the health check, by both methods.
+@router.api_route("/ping", methods=["GET", "POST"], responses=responses(None, errors=(503,)))
 async def health(server: OpenAIServer = Depends(openai_server)) -> Response:
     """200 ok (or degraded: saturated, still serving) while every engine steps; 503 when one
     cannot. The details are for the log and /stats, not for this answer."""
@@ -49,6 +63,12 @@ async def health(server: OpenAIServer = Depends(openai_server)) -> Response:
     if isinstance(state, RequestFailure):
         return engine_error_response(state)
     return JSONResponse({"status": state})
+
+
+@router.get("/version", responses=responses(None))
+async def version() -> Response:
+    """The server's version, as vLLM's `/version` gives its own."""
+    return JSONResponse({"version": pagedray_version()})
 
 
 @router.get("/stats", responses=responses(None, errors=(401, 503)))
