@@ -174,7 +174,7 @@ class OpenAIServer:
             ctx.reasoning = reasoning
             ctx.reasoning_tags = self._reasoning_tags
         streams = await self.open(
-            request_id, [prompt], [params], body.priority, body.stream, grammar_after
+            request_id, [prompt], [params], body.priority, body.stream, [grammar_after]
         )
         return streams if isinstance(streams, Response) else (ctx, streams)
 
@@ -224,9 +224,23 @@ class OpenAIServer:
             return None, None
         return parser(constrained=True), None
 
+    def grammar_after(
+        self, prompts: list[ValidatedPrompt], params: list[SamplingParams]
+    ) -> list[int | None] | None:
+        """Per completions prompt, the token after which its structured output holds: as
+        vLLM's engine decides it, from the prompt's tokens (engine/thinking_tokens.py); None
+        without a reasoning parser."""
+        thinking = self._thinking_tokens
+        if self.config.reasoning_parser is None or thinking is None:
+            return None
+        return [
+            thinking.grammar_after(prompt.token_ids) if p.structured_outputs else None
+            for prompt, p in zip(prompts, params, strict=True)
+        ]
+
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:
-        return ThinkingTokens.of(self.tokenizer)
+        return ThinkingTokens.of(self.tokenizer, self.config.reasoning_parser)
 
     @functools.cached_property
     def _reasoning_tags(self) -> dict[str, int] | None:
@@ -243,11 +257,12 @@ class OpenAIServer:
         params: list[SamplingParams],
         priority: int,
         stream: bool,
-        grammar_after_token_id: int | None = None,
+        grammar_after: list[int | None] | None = None,
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt, each with its parameters (`params`, in the
-        prompts' order); an error response if any is refused. `grammar_after_token_id`: their
-        structured output holds only after this token (a reasoning model's `</think>`)."""
+        prompts' order); an error response if any is refused. `grammar_after`: per prompt, the
+        token after which its structured output holds (a reasoning model's `</think>`; None:
+        from the first token)."""
         requests = [
             GenerateRequest(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
@@ -256,7 +271,7 @@ class OpenAIServer:
                 priority,
                 prompt.cache_salt,
                 self._stream_interval(stream, prompt_params),
-                grammar_after_token_id=grammar_after_token_id,
+                grammar_after_token_id=grammar_after[i] if grammar_after else None,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]

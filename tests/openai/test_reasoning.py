@@ -416,9 +416,10 @@ def test_each_api_turns_qwen3_thinking_off_by_its_own_field(tiny_llama: str) -> 
 def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
     thinking_llama: str,
 ) -> None:
-    """As vLLM's, a reasoning model thinks freely and its JSON format or forced tool call holds
-    only after `</think>` (one token of this vocabulary): the thinking is free text, the content
-    validates. (A bias makes the random model close its thinking after a few tokens.)"""
+    """As vLLM's, a reasoning model thinks freely and its JSON format, forced tool call or
+    completion's structured output holds only after `</think>` (one token of this vocabulary):
+    the thinking is free text, the content validates. (A bias makes the random model close its
+    thinking after a few tokens.)"""
     http, sdk = _served(thinking_llama, reasoning_parser="deepseek_r1")
     end = AutoTokenizer.from_pretrained(thinking_llama).convert_tokens_to_ids("</think>")
     schema = {
@@ -447,6 +448,14 @@ def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
                 reasoning += getattr(delta, "reasoning", None) or ""
                 content += delta.content or ""
         called: Any = ask(False, tools=tools, tool_choice="required").choices[0].message
+        # Completions too, as vLLM's engine gates them: by the prompt's tokens (none closed).
+        completed: Any = sdk.completions.create(
+            model="x",
+            prompt="Think, then answer.",
+            max_tokens=40,
+            **{**sampling, "seed": 1},  # a seed whose number ends within the 40 tokens
+            extra_body={"structured_outputs": {"json": schema}},
+        ).choices[0]
         responses_usage: Any = sdk.responses.create(
             model="x", input="Think, then answer.", max_output_tokens=40, temperature=0.0
         ).usage
@@ -457,6 +466,8 @@ def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
     assert (reasoning, content) == (said.reasoning, said.content)
     assert called.reasoning and called.content is None
     assert [call.function.name for call in called.tool_calls] == ["f"]
+    thinking, _, answered = completed.text.partition("</think>")
+    assert thinking and json.loads(answered) == {"a": json.loads(answered)["a"]}
     # The thinking in tokens (those before `</think>`; vLLM's count starts only at a `<think>`
     # the model writes, so it says 0 where the template opened the thinking), whole and
     # streamed; the Responses API's output_tokens_details too (greedy, the model never closes

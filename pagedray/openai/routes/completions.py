@@ -54,7 +54,10 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
         echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
         prompt_token_ids=[p.token_ids for p in prompts] if body.return_token_ids else None,
     )
-    streams = await server.open(engine_id, prompts, params, body.priority, body.stream)
+    grammar_after = server.grammar_after(prompts, params)
+    streams = await server.open(
+        engine_id, prompts, params, body.priority, body.stream, grammar_after
+    )
     if isinstance(streams, Response):
         return streams
     if body.stream:
