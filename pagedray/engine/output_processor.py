@@ -31,8 +31,10 @@ class ChoiceDelta:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: str | int | None
-    # With prompt_logprobs: on a choice's first delta, per prompt token (None for the first).
+    # With prompt_logprobs: on a choice's first delta, per prompt token (None for the first),
+    # and each prompt token's rank among the vocabulary (1: the most likely).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 @dataclass
@@ -79,6 +81,7 @@ class RequestState:
         self.finish_time: float | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_ranks: list[int | None] | None = None
         self.error: RequestError | None = None  # set when the engine ended it with an error
 
     @property
@@ -176,6 +179,9 @@ class OutputProcessor:
                     None if entry is None else dict(zip(entry[0], entry[1]))
                     for entry in out.prompt_logprobs
                 ]
+                state.prompt_ranks = [
+                    None if entry is None else entry[2] for entry in out.prompt_logprobs
+                ]
             if out.error is not None:
                 deltas.append(self._fail(state, out.error))
                 state.finish_time = now
@@ -229,9 +235,9 @@ class OutputProcessor:
         logprobs = None
         if choice.logprobs is not None:
             logprobs = choice.logprobs[len(choice.logprobs) - num_tokens :]
-        prompt_logprobs = None
+        prompt_logprobs = prompt_ranks = None
         if state.prompt_logprobs is not None and not choice.sent_prompt_logprobs:
-            prompt_logprobs = state.prompt_logprobs
+            prompt_logprobs, prompt_ranks = state.prompt_logprobs, state.prompt_ranks
             choice.sent_prompt_logprobs = True
         return ChoiceDelta(
             request_id=state.request_id,
@@ -242,6 +248,7 @@ class OutputProcessor:
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
             prompt_logprobs=prompt_logprobs,
+            prompt_ranks=prompt_ranks,
         )
 
 

@@ -81,11 +81,12 @@ def _join(deltas: list[ChoiceDelta]) -> ChoiceDelta:
     logprobs = None
     if any(delta.logprobs is not None for delta in deltas):
         logprobs = [entry for delta in deltas for entry in delta.logprobs or ()]
-    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
+    with_prompt = next((d for d in deltas if d.prompt_logprobs), None)
     return dataclasses.replace(
         deltas[-1],
         text="".join(delta.text for delta in deltas),
         token_ids=[token for delta in deltas for token in delta.token_ids],
         logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=with_prompt.prompt_logprobs if with_prompt is not None else None,
+        prompt_ranks=with_prompt.prompt_ranks if with_prompt is not None else None,
     )

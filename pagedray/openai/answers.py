@@ -210,6 +210,7 @@ async def completion_response(
                 stop_reason=c.stop_reason,
                 prompt_token_ids=ctx.prompt_ids(i),
                 token_ids=ctx.token_ids(c),
+                prompt_logprobs=ctx.logprobs.prompt_entries(c),
             )
             for i, c in enumerate(choices)
         ],
@@ -267,6 +268,7 @@ async def chat_response(
         ],
         usage=usage.info(),
         prompt_token_ids=ctx.prompt_ids(0),
+        prompt_logprobs=ctx.logprobs.prompt_entries(choices[0]),
     )
 
 

@@ -121,6 +121,8 @@ class _GenerationRequest(ConstraintFields):
     # token of output), its last ("left", the default) or its first ("right").
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: each prompt token's logprob with this many alternatives (not streamed).
+    prompt_logprobs: int | None = _bounded(None, **_LOGPROBS)
     cache_salt: str | None = _bounded(None, minLength=1)
     priority: int = 0
     user: str | None = None
@@ -133,6 +135,8 @@ class _GenerationRequest(ConstraintFields):
     def _check_common(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise refusal("stream_options", "only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise refusal("prompt_logprobs", "not available when stream is true")
         if self.cache_salt is not None and not self.cache_salt:
             raise refusal("cache_salt", "must be a non-empty string")
         return self
@@ -220,7 +224,9 @@ class CompletionRequest(_GenerationRequest):
 
     def to_sampling_params(self, defaults: Mapping[str, Any] = NO_DEFAULTS) -> SamplingParams:
         # echo with logprobs: the prompt's tokens get logprobs too, as OpenAI's legacy API does.
-        prompt_logprobs = self.logprobs if self.echo else None
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
         return self._sampling_params(
             self.max_tokens, self.logprobs, prompt_logprobs, self.constraint(), defaults
         )
@@ -314,7 +320,9 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
         constraint, forced = self.constraint(), self.tool_constraint()
         if constraint is not None and forced is not None:
             raise refusal("tool_choice", "a forced tool call cannot take a response_format too")
-        return self._sampling_params(max_tokens, logprobs, None, forced or constraint, defaults)
+        return self._sampling_params(
+            max_tokens, logprobs, self.prompt_logprobs, forced or constraint, defaults
+        )
 
 
 class TokenizeRequest(_ChatEndingFields):
@@ -378,8 +386,19 @@ class _VLLMExtensions(BaseModel):
         return data
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's logprobs, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None  # among the vocabulary, 1: the most likely
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_VLLMExtensions):
-    _OPTIONAL = ("prompt_token_ids", "token_ids")
+    _OPTIONAL = ("prompt_token_ids", "token_ids", "prompt_logprobs")
 
     index: int
     text: str
@@ -388,6 +407,7 @@ class CompletionChoice(_VLLMExtensions):
     stop_reason: str | int | None = None  # vLLM's extension: the stop string or token id
     prompt_token_ids: list[int] | None = None  # return_token_ids (a stream's first chunk)
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, per prompt token (None first)
 
 
 class CompletionResponse(BaseModel):
@@ -435,7 +455,7 @@ class ChatCompletionChoice(_VLLMExtensions):
 
 
 class ChatCompletionResponse(_VLLMExtensions):
-    _OPTIONAL = ("prompt_token_ids",)
+    _OPTIONAL = ("prompt_token_ids", "prompt_logprobs")
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -445,6 +465,7 @@ class ChatCompletionResponse(_VLLMExtensions):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, per prompt token (None first)
 
 
 class DeltaMessage(_VLLMExtensions):

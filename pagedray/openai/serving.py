@@ -22,6 +22,7 @@ from pagedray.openai.protocol import (
     ChatTokenLogprob,
     CompletionLogprobs,
     CompletionTokensDetails,
+    PromptLogprob,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -157,6 +158,32 @@ class LogprobFormatter:
                     **self._top(token_id, entries.get(token_id, float("-inf"))).model_dump(),
                     top_logprobs=[self._top(t, lp) for t, lp in top],
                 )
+            )
+        return result
+
+    def prompt_entries(self, delta: ChoiceDelta) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs` of a delta that carries the prompt's: per prompt token
+        (None for the first), the token's own entry (with its rank) and the top ones' (ranked
+        by logprob), keyed by token id."""
+        if not delta.prompt_logprobs:
+            return None
+        ranks = delta.prompt_ranks or [None] * len(delta.prompt_logprobs)
+        result: list[dict[str, PromptLogprob] | None] = []
+        for entries, rank in zip(delta.prompt_logprobs, ranks):
+            if entries is None:
+                result.append(None)
+                continue
+            token_id, *_ = entries  # the prompt token's own entry comes first
+            ranked = sorted(entries.items(), key=lambda item: -item[1])
+            result.append(
+                {
+                    str(t): PromptLogprob(
+                        logprob=max(lp, MIN_LOGPROB),
+                        rank=rank if t == token_id else position,
+                        decoded_token=self.token_str(t),
+                    )
+                    for position, (t, lp) in enumerate(ranked, start=1)
+                }
             )
         return result
 

@@ -353,3 +353,35 @@ def test_ping_and_version_answer_without_the_key(served: tuple[TestClient, OpenA
     assert http.get("/ping").json() == http.post("/ping").json() == http.get("/health").json()
     version = http.get("/version").json()["version"]
     assert version and version[0].isdigit()
+
+
+def test_prompt_logprobs_in_vllm_s_shape(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI
+) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), its logprob and rank and
+    the top ones', keyed by token id, on chat and completions answers; the same numbers as an
+    echo with logprobs (lm-eval's request); refused with a stream."""
+    asks: Any = {"model": "x", "max_tokens": 1}
+    text: Any = sdk.completions.create(prompt=PROMPT, **asks, extra_body={"prompt_logprobs": 2})
+    echoed: Any = sdk.completions.create(prompt=PROMPT, **asks, echo=True, logprobs=2)
+    chat: Any = sdk.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], **asks, extra_body={"prompt_logprobs": 0}
+    )
+    entries = text.choices[0].prompt_logprobs
+    assert len(entries) == len(PROMPT) and entries[0] is None
+    for token_id, entry, echo_logprob in zip(
+        PROMPT[1:], entries[1:], echoed.choices[0].logprobs.token_logprobs[1:]
+    ):
+        own = entry[str(token_id)]
+        assert own["logprob"] == pytest.approx(echo_logprob) and own["rank"] >= 1
+        assert own["decoded_token"] == served[1].tokenizer.decode([token_id])
+        others = sorted((e["rank"], -e["logprob"]) for t, e in entry.items() if t != str(token_id))
+        assert [rank for rank, _ in others] == sorted(rank for rank, _ in others)
+        assert len(entry) in (2, 3)  # its own and the top 2 (itself among them, or not)
+    chat_entries = chat.prompt_logprobs
+    assert chat_entries[0] is None and all(len(entry) == 1 for entry in chat_entries[1:])
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.completions.create(
+            prompt=PROMPT, **asks, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert refused.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
