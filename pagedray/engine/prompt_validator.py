@@ -86,16 +86,31 @@ class PromptValidator:
         self.chat = ChatTokenizer(tokenizer, chat_template_kwargs)
         self.max_logprobs = max_logprobs  # per token; -1: the whole vocabulary (vLLM's)
         self.chars_per_token = chars_per_token(tokenizer)
-        # (tokens kept, "left" or "right"): prompts are cut to this many tokens (`truncating`).
+        # A request's own way to tokenize its prompts (`for_request`): cut to this many tokens,
+        # ("left": its last; "right": its first); text prompts with the tokenizer's BOS or not.
         self.truncation: tuple[int, str] | None = None
+        self.add_special_tokens = True
 
-    def truncating(self, keep: int, side: str | None = None) -> PromptValidator:
-        """This validator, cutting each prompt to its last `keep` tokens (`side` "right": its
-        first) before checking it, as vLLM's `truncate_prompt_tokens` does; -1 keeps as many as
-        `max_model_len` leaves room for one token of output."""
-        cutting = copy.copy(self)
-        cutting.truncation = (self.max_model_len - 1 if keep == -1 else keep, side or "left")
-        return cutting
+    def for_request(
+        self,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> PromptValidator:
+        """This validator, tokenizing as a request asks, with vLLM's fields: a prompt cut to
+        its last `truncate_prompt_tokens` tokens (`truncation_side` "right": its first) before
+        it is checked, -1 keeping as many as `max_model_len` leaves room for one token of
+        output; a text prompt's special tokens added or not."""
+        if truncate_prompt_tokens is None and add_special_tokens:
+            return self
+        custom = copy.copy(self)
+        if truncate_prompt_tokens is not None:
+            keep = (
+                self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            )
+            custom.truncation = (keep, truncation_side or "left")
+        custom.add_special_tokens = add_special_tokens
+        return custom
 
     def validate(self, prompt: Any, params: SamplingParams) -> ValidatedPrompt:
         """Tokenize and check a prompt; raises ValueError naming the bad field.
@@ -105,7 +120,7 @@ class PromptValidator:
         """
         self.check_params(params)
         if isinstance(prompt, str):
-            return self._validated(prompt, self.encode(prompt))
+            return self._validated(prompt, self.encode(prompt, self.add_special_tokens))
         if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
             raise refusal(
                 "prompt",
@@ -118,7 +133,7 @@ class PromptValidator:
             check_text("prompt", text)
         if "prompt_token_ids" not in prompt:
             assert text is not None  # the dict holds "prompt" or "prompt_token_ids", checked above
-            return self._validated(text, self.encode(text), cache_salt)
+            return self._validated(text, self.encode(text, self.add_special_tokens), cache_salt)
         token_ids = prompt["prompt_token_ids"]
         if not isinstance(token_ids, (list, tuple)):
             raise refusal(
@@ -129,13 +144,13 @@ class PromptValidator:
     def _validated(
         self, text: str | None, token_ids: list[int], cache_salt: str | None = None
     ) -> ValidatedPrompt:
-        """The prompt, cut as `truncating` says (then without its text) and checked."""
+        """The prompt, cut as the request asked (then without its text) and checked."""
         kept = self.truncated(token_ids)
         self.check_token_ids(kept)
         return ValidatedPrompt(text if kept is token_ids else None, kept, cache_salt)
 
     def truncated(self, token_ids: list[int]) -> list[int]:
-        """`token_ids` cut as `truncating` says (the same list if nothing is cut)."""
+        """`token_ids` cut as the request asked (the same list if nothing is cut)."""
         if self.truncation is None or self.truncation[0] >= len(token_ids):
             return token_ids
         keep, side = self.truncation
@@ -188,7 +203,7 @@ class PromptValidator:
 
     def check_length(self, field: str, text: str) -> None:
         """Refuse a text longer than `max_model_len` tokens of the longest kind could spell
-        (unless `truncating`: it is cut once tokenized)."""
+        (unless the request cuts it: that is done once it is tokenized)."""
         if self.chars_per_token is None or self.truncation is not None:
             return
         limit = self.max_model_len * self.chars_per_token

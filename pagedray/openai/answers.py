@@ -53,7 +53,7 @@ class AnswerContext:
     logprobs: LogprobFormatter
     num_logprobs: int | None  # top logprobs per token; None = logprobs not requested
     include_usage: bool = False
-    echo: list[str] | None = None  # per prompt: text put before the completion (completions only)
+    echo: list[str] | None = None  # per prompt: text put before the answer's (`echo`)
     echo_token_ids: list[list[int]] | None = None  # per prompt, with echo: its token ids
     tool_calls: ToolCallOutput | None = None  # chat with tools: how text becomes calls
     reasoning: ReasoningParser | None = None  # chat: how the thinking splits from the answer
@@ -246,6 +246,9 @@ async def chat_response(
         for i, message in enumerate(messages):
             extracted = ctx.tool_calls.extract(message.content or "", choices[i].finish_reason)
             message.content, message.tool_calls, finish_reasons[i] = extracted
+    if ctx.echo:  # after the parsers, as vLLM's: they read what the model wrote
+        for i, message in enumerate(messages):
+            message.content = ctx.echo_text(i) + (message.content or "")
     num_logprobs = ctx.num_logprobs
     return ChatCompletionResponse(
         id=ctx.request_id,
@@ -362,6 +365,9 @@ async def chat_chunks(ctx: AnswerContext, streams: EngineStreams) -> AsyncIterat
                 ctx.prompt_ids(i) if i == 0 else None,
             )
         )
+    if ctx.echo:  # the echoed content, a chunk per choice, before what the model writes
+        for i in range(ctx.num_choices):
+            yield text_only.event(i, ctx.echo_text(i))
     parts = [ChoiceParts.of(ctx) for _ in range(ctx.num_choices)]
     async for prompt_index, delta, usage in choice_deltas(streams):
         if delta is None:

@@ -37,7 +37,7 @@ def completion_prompts(
     a `max_tokens` that does not fit beside a prompt is refused (vLLM's 400), never clamped
     (`PromptValidator.limit_output`)."""
     params = body.to_sampling_params(validator.sampling_defaults)
-    validator = _truncating(validator, body)
+    validator = _for_request(validator, body)
     prompts, prompt_params = [], []
     for prompt in body.prompts():
         key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
@@ -57,7 +57,7 @@ def chat_prompt(
     """Sampling parameters and the conversation's validated prompt (content read as text)."""
     params = body.to_sampling_params(validator.sampling_defaults)
     validator.check_logprobs("top_logprobs", body.top_logprobs)  # named as the client sent it
-    validator = _truncating(validator, body)
+    validator = _for_request(validator, body)
     token_ids = chat_token_ids(validator, body)
     prompt = validator.validate(
         {"prompt_token_ids": token_ids, "cache_salt": body.cache_salt}, params
@@ -67,13 +67,13 @@ def chat_prompt(
     return validator.limit_output(params, len(prompt.token_ids), field), prompt
 
 
-def _truncating(
+def _for_request(
     validator: PromptValidator, body: ChatCompletionRequest | CompletionRequest
 ) -> PromptValidator:
-    """The validator that cuts the request's prompts as its `truncate_prompt_tokens` says."""
-    if body.truncate_prompt_tokens is None:
-        return validator
-    return validator.truncating(body.truncate_prompt_tokens, body.truncation_side)
+    """The validator that tokenizes the request's prompts as it asks (vLLM's
+    `truncate_prompt_tokens`, and a completion's `add_special_tokens`)."""
+    special = body.add_special_tokens if isinstance(body, CompletionRequest) else True
+    return validator.for_request(body.truncate_prompt_tokens, body.truncation_side, special)
 
 
 def chat_token_ids(validator: PromptValidator, body: ChatCompletionRequest) -> list[int]:

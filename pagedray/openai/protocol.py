@@ -200,6 +200,7 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = _bounded(16, **_COUNT)
     logprobs: int | None = _bounded(None, **_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
     suffix: str | None = _bounded(None, maxLength=0)
     best_of: int | None = None
 
@@ -294,6 +295,8 @@ def chat_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 
 class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: a last assistant message's content goes before each answer's (a continued one).
+    echo: bool = False
     max_tokens: int | None = _bounded(None, **_COUNT)
     max_completion_tokens: int | None = _bounded(None, **_COUNT)
     logprobs: bool = False
@@ -323,6 +326,14 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
         return self._sampling_params(
             max_tokens, logprobs, self.prompt_logprobs, forced or constraint, defaults
         )
+
+    def echoed(self) -> str | None:
+        """With `echo`, the content an answer starts with: the last message's, where it is the
+        assistant's (the answer's role), as vLLM's."""
+        if not self.echo:
+            return None
+        last = self.messages[-1].as_template_input()
+        return (last["content"] or None) if last["role"] == "assistant" else None
 
 
 class TokenizeRequest(_ChatEndingFields):

@@ -162,6 +162,7 @@ class OpenAIServer:
             include_usage=body.include_usage or self.config.enable_force_include_usage,
             num_prompt_tokens=len(prompt.token_ids),
             prompt_token_ids=[prompt.token_ids] if body.return_token_ids else None,
+            echo=[echoed] if (echoed := body.echoed()) is not None else None,
             tool_calls=ToolCallOutput.of(
                 body.tool_dicts(),
                 body.tool_choice_value(),

@@ -6,6 +6,8 @@ they do behind Serve (tests/cluster/test_openai_server.py), and every block come
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -385,3 +387,65 @@ def test_prompt_logprobs_in_vllm_s_shape(
             prompt=PROMPT, **asks, stream=True, extra_body={"prompt_logprobs": 1}
         )
     assert refused.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
+
+
+def test_chat_echo_puts_the_continued_message_before_the_answer(sdk: openai.OpenAI) -> None:
+    """vLLM's chat `echo`: a last assistant message (continued) starts each answer's content,
+    whole and streamed; after a user message there is nothing to echo."""
+    prefill: Any = [
+        {"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": "Once upon"},
+    ]
+    body: Any = {"continue_final_message": True, "add_generation_prompt": False}
+    asks: Any = {"model": "x", "max_tokens": 5, "temperature": 0.0, "n": 2}
+    plain = sdk.chat.completions.create(messages=prefill, **asks, extra_body=body)
+    echoed = sdk.chat.completions.create(
+        messages=prefill, **asks, extra_body={**body, "echo": True}
+    )
+    streamed = ["", ""]
+    for chunk in sdk.chat.completions.create(
+        messages=prefill, **asks, stream=True, extra_body={**body, "echo": True}
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [c.message.content for c in echoed.choices] == [
+        "Once upon" + (c.message.content or "") for c in plain.choices
+    ]
+    assert streamed == [c.message.content for c in echoed.choices]
+    user_only = sdk.chat.completions.create(messages=prefill[:1], **asks, extra_body={"echo": True})
+    alone = sdk.chat.completions.create(messages=prefill[:1], **asks)
+    assert [c.message.content for c in user_only.choices] == [
+        c.message.content for c in alone.choices
+    ]
+
+
+def test_a_completion_s_add_special_tokens(tiny_llama: str, tmp_path: Any) -> None:
+    """vLLM's `add_special_tokens` on completions: a text prompt gets the tokenizer's BOS (as
+    Llama's tokenizers add it) unless the request says false; token prompts are as sent."""
+    model = tmp_path / "bos-llama"
+    shutil.copytree(tiny_llama, model)
+    tokenizer_file = model / "tokenizer.json"
+    state = json.loads(tokenizer_file.read_text())
+    state["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+    }
+    tokenizer_file.write_text(json.dumps(state))
+    config = EngineConfig(model=str(model), num_kv_blocks=32, served_model_name=["x"])
+    with TestClient(local_openai_app(config)) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=http)
+
+        def prompt_ids(**extra: Any) -> list[int]:
+            body = {"return_token_ids": True, **extra}
+            answer: Any = sdk.completions.create(
+                model="x", prompt="hello there", max_tokens=1, extra_body=body
+            )
+            return answer.choices[0].prompt_token_ids
+
+        with_bos, without = prompt_ids(), prompt_ids(add_special_tokens=False)
+    assert with_bos == [1, *without] and 1 not in without
