@@ -108,12 +108,15 @@ class LLM:
                 )
         # Validate everything before queueing anything, so a bad prompt allocates nothing.
         validated = [self.validator.validate(p, sp) for p, sp in zip(prompt_list, params_list)]
+        thinking_ends = [
+            self._thinking_end(p.token_ids, sp) for p, sp in zip(validated, params_list)
+        ]
         priorities = list(priority) if priority is not None else [0] * len(validated)
         if len(priorities) != len(validated):
             raise refusal("priority", f"got {len(priorities)} for {len(validated)} prompts")
         request_ids = [str(next(self._request_counter)) for _ in validated]
-        for request_id, prompt, params, prio in zip(
-            request_ids, validated, params_list, priorities
+        for request_id, prompt, params, prio, thinking_end in zip(
+            request_ids, validated, params_list, priorities, thinking_ends
         ):
             self.engine.add_request(
                 EngineRequest(
@@ -122,7 +125,7 @@ class LLM:
                     params,
                     priority=prio,
                     cache_salt=prompt.cache_salt,
-                    grammar_after_token_id=self._grammar_after(prompt.token_ids, params),
+                    thinking_end_token_id=thinking_end,
                 )
             )
             self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
@@ -135,13 +138,18 @@ class LLM:
             raise
         return [self.output_processor.requests.pop(rid).to_output() for rid in request_ids]
 
-    def _grammar_after(self, prompt_token_ids: list[int], params: SamplingParams) -> int | None:
-        """With `reasoning_parser`, a structured output holds to its grammar after the thinking
-        (vLLM's default): the `</think>` its output waits for, unless its prompt closed it."""
-        if self.config.reasoning_parser is None or params.structured_outputs is None:
-            return None
-        thinking = self._thinking_tokens
-        return None if thinking is None else thinking.grammar_after(prompt_token_ids)
+    def _thinking_end(self, prompt_token_ids: list[int], params: SamplingParams) -> int | None:
+        """With `reasoning_parser`, the `</think>` an output of this prompt thinks until, unless
+        its prompt closed the thinking: a structured output holds to its grammar after it
+        (vLLM's default) and `thinking_token_budget` counts before it. Raises ValueError for a
+        budget that cannot be kept (no parser, or no such token)."""
+        thinking = self._thinking_tokens if self.config.reasoning_parser is not None else None
+        if params.thinking_token_budget is not None and thinking is None:
+            raise refusal(
+                "thinking_token_budget",
+                "needs reasoning_parser and a vocabulary where </think> is one token",
+            )
+        return None if thinking is None else thinking.thinking_end(prompt_token_ids)
 
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:

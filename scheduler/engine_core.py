@@ -120,29 +120,36 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         structured = self.scheduler.structured
-        rows = self._grammar_rows(scheduler_output) if structured else {}
-        if structured is not None and rows:
+        rows, forced = self._grammar_rows(scheduler_output) if structured else ({}, {})
+        if structured is not None and (rows or forced):
             # In-process, the masks are filled while the forward pass runs (the model runner
             # waits for them before sampling); a plan that crosses processes carries them.
             overlap = getattr(self.executor, "in_process", False)
             fill = structured.bitmask_future if overlap else structured.bitmask
-            scheduler_output.grammar_bitmask = fill(rows)
+            scheduler_output.grammar_bitmask = fill(rows, forced)
         runner_output = self.executor.execute_model(scheduler_output)
         if isinstance(scheduler_output.grammar_bitmask, Future):
             scheduler_output.grammar_bitmask.result()  # done before any matcher advances
         self.last_bitmask_duration = structured.stats.last_mask_s if structured and rows else None
         return runner_output
 
-    def _grammar_rows(self, scheduler_output: SchedulerOutput) -> dict[str, RequestGrammar]:
-        """The grammars of the constrained sequences that sample in this (scheduled) step (not
-        those still thinking: their grammar holds only after it)."""
-        rows = {}
+    def _grammar_rows(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[dict[str, RequestGrammar], dict[str, int]]:
+        """Of the sequences that sample in this (scheduled) step: the grammars of those held to
+        one (not those still thinking: a grammar holds only after it), and the token forced on
+        those whose thinking budget is spent (the one that ends the thinking)."""
+        rows, forced = {}, {}
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.scheduler.requests[req_id]
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk short of the end samples nothing
             grammar = req.grammar
-            if grammar is not None and grammar.holds and req.num_computed_tokens >= req.num_tokens:
+            if grammar is not None and grammar.holds:
                 rows[req_id] = grammar
-        return rows
+            elif req.must_end_thinking and req.thinking_end_token_id is not None:
+                forced[req_id] = req.thinking_end_token_id
+        return rows, forced
 
     def save_cache_to_tier(self, deadline: float | None = None) -> int:
         """Before the engine goes (a drain, a scale-down, a redeploy, `LLM.shutdown`): save

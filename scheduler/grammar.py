@@ -234,13 +234,20 @@ class StructuredOutputManager:
                 self._templates.popitem(last=False)
             return template.deep_copy()
 
-    def bitmask(self, grammars: dict[str, RequestGrammar]) -> GrammarBitmask:
+    def bitmask(
+        self, grammars: dict[str, RequestGrammar], forced: dict[str, int] | None = None
+    ) -> GrammarBitmask:
         """A row per sequence: the tokens its grammar allows next, computed in parallel with
-        the GIL released."""
+        the GIL released; then a row per `forced` sequence that allows its one token."""
         import numpy as np
 
+        forced = forced or {}
         start = time.perf_counter()
-        rows = np.full((len(grammars), self.words_per_row), -1, dtype=np.int32)
+        rows = np.full((len(grammars) + len(forced), self.words_per_row), -1, dtype=np.int32)
+        bits = rows.view(np.uint32)
+        for i, token_id in enumerate(forced.values(), start=len(grammars)):
+            bits[i] = 0
+            bits[i, token_id // 32] = 1 << (token_id % 32)
         row_bytes = self.words_per_row * 4
         if len(grammars) >= PARALLEL_MASK_ROWS and self._parallel:
             matchers: list[tuple[Any, int]] = []
@@ -255,7 +262,7 @@ class StructuredOutputManager:
                 assert grammar.matcher is not None
                 grammar.matcher.unsafe_compute_mask_ptr(rows.ctypes.data + i * row_bytes, row_bytes)
         self.stats.last_mask_s = time.perf_counter() - start
-        return GrammarBitmask(list(grammars), self.words_per_row, rows.tobytes())
+        return GrammarBitmask([*grammars, *forced], self.words_per_row, rows.tobytes())
 
     def end_token(self, grammar: RequestGrammar) -> int | None:
         """The EOS token that ends a complete output (nothing else could be sampled); None
@@ -264,10 +271,12 @@ class StructuredOutputManager:
             return None
         return self.eos_token_ids[0]
 
-    def bitmask_future(self, grammars: dict[str, RequestGrammar]) -> Future[GrammarBitmask]:
+    def bitmask_future(
+        self, grammars: dict[str, RequestGrammar], forced: dict[str, int] | None = None
+    ) -> Future[GrammarBitmask]:
         """`bitmask`, filled on the mask thread while the caller goes on (the forward pass);
         the caller must wait for it before advancing any of these matchers."""
-        return self._mask_pool.submit(self.bitmask, grammars)
+        return self._mask_pool.submit(self.bitmask, grammars, forced)
 
     def take_compile_times(self) -> list[float]:
         with self._lock:

@@ -49,9 +49,10 @@ class EngineRequest:
     # Its output so far, when it resumes here after another engine lost it (n = 1): computed
     # again as context, never sent again, sampled on from the next position.
     output_token_ids: list[int] = field(default_factory=list)
-    # With structured outputs from a reasoning model: the token that ends its thinking, after
-    # which the grammar holds (vLLM's default); None: the grammar holds from the first token.
-    grammar_after_token_id: int | None = None
+    # A reasoning model's output that starts inside its thinking: the token that ends the
+    # thinking, after which a structured output's grammar holds (vLLM's default) and before
+    # which `thinking_token_budget` counts; None: the output does not start thinking.
+    thinking_end_token_id: int | None = None
 
 
 class Request:
@@ -75,7 +76,13 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         # A resumed output not yet replayed through the request's grammar (at its admission).
         self.unreplayed_token_ids: list[int] = list(engine_request.output_token_ids)
-        self.grammar_after_token_id = engine_request.grammar_after_token_id
+        self.thinking_end_token_id = engine_request.thinking_end_token_id
+        # While the output thinks (the end token not sampled yet): how many more thinking tokens
+        # its `thinking_token_budget` allows (None: no budget, or no thinking left to count).
+        self.thinking_left: int | None = None
+        if self.thinking_end_token_id is not None:
+            self.thinking_left = self.sampling_params.thinking_token_budget
+            self.count_thinking(self.output_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
         self.num_preemptions = 0
@@ -113,6 +120,22 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        self.count_thinking(token_ids)
+
+    def count_thinking(self, token_ids: list[int]) -> None:
+        """Spend the thinking budget on output tokens, until the one that ends the thinking."""
+        for token_id in token_ids:
+            if self.thinking_left is None:
+                return
+            if token_id == self.thinking_end_token_id:
+                self.thinking_left = None
+            else:
+                self.thinking_left = max(self.thinking_left - 1, 0)
+
+    @property
+    def must_end_thinking(self) -> bool:
+        """Its thinking budget is spent: the next token must end the thinking."""
+        return self.thinking_left == 0
 
     def fork_child(self, choice_index: int) -> Request:
         """A child sequence that continues this prompt; it shares the prompt's computed KV."""
@@ -127,10 +150,12 @@ class Request:
                 arrival_time=self.arrival_time,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
+                thinking_end_token_id=self.thinking_end_token_id,
             ),
             parent_req_id=self.req_id,
             choice_index=choice_index,
         )
+        child.thinking_left = self.thinking_left
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.scheduled_time = self.scheduled_time

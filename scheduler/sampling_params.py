@@ -80,6 +80,9 @@ class SamplingParams:
     # holds the tokenizer); the sampler reads it.
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    # A reasoning model's thinking tokens at most (vLLM's thinking_token_budget): then the
+    # token that ends the thinking is forced. None (or -1): no limit.
+    thinking_token_budget: int | None = None
     # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs);
     # a dict of its fields is accepted too.
     structured_outputs: StructuredOutputsParams | None = None
@@ -96,13 +99,15 @@ class SamplingParams:
             self.top_k = 0
         if self.bad_words is None:
             self.bad_words = []
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         self._validate()
 
     def _validate(self) -> None:
         # Types first: everything after compares numbers, and a bool is not a count.
         for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
-        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed", "thinking_token_budget"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
         for name in _FLOAT_FIELDS:
@@ -163,6 +168,12 @@ class SamplingParams:
         )
         for stop in self.stop:
             _check(is_encodable(stop), "stop", "must be valid Unicode (no lone surrogates)")
+        if self.thinking_token_budget is not None:
+            _check(
+                0 <= self.thinking_token_budget <= MAX_INT32,
+                "thinking_token_budget",
+                f"must be -1 (no limit) or in [0, {MAX_INT32}], got {self.thinking_token_budget}",
+            )
         if self.allowed_token_ids is not None:
             _check(
                 isinstance(self.allowed_token_ids, list)

@@ -82,11 +82,13 @@ class Scheduler:
         self.check_limits(req.num_tokens, req.sampling_params.n)
         if req.output_token_ids and req.sampling_params.n != 1:
             raise refusal("n", "only a request of one choice resumes from its output")
+        if req.thinking_left is not None and self.structured is None:
+            raise refusal("thinking_token_budget", "this engine was built without a tokenizer")
         constraint = req.sampling_params.structured_outputs
         if constraint is not None:
             if self.structured is None:
                 raise refusal("structured_outputs", "this engine was built without a tokenizer")
-            req.grammar = self.structured.start(constraint, req.grammar_after_token_id)
+            req.grammar = self.structured.start(constraint, req.thinking_end_token_id)
         if (
             self.config.max_num_waiting is not None
             and len(self.waiting) >= self.config.max_num_waiting

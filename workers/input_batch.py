@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pagedray.scheduler.messages import CachedRequestData, NewRequestData
 from pagedray.scheduler.sampling_params import SamplingParams
@@ -26,6 +27,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     num_block_ids: int  # filled entries of this row's block table
     num_computed_tokens: int
+    # Its allowed_token_ids as an index tensor, made once (the sampler masks with it each step).
+    allowed_index: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +70,11 @@ class InputBatch:
             sampling_params=params,
             num_block_ids=len(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            allowed_index=(
+                None
+                if params.allowed_token_ids is None
+                else torch.tensor(params.allowed_token_ids, dtype=torch.long)
+            ),
         )
         self.requests[new.req_id] = state
         # A sequence that already has outputs delivered its prompt logprobs before.

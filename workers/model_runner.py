@@ -263,6 +263,7 @@ class ModelRunner:
             prompt_token_ids=state.prompt_token_ids,
             output_token_ids=state.output_token_ids,
             num_samples=num_samples,
+            allowed_index=state.allowed_index,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

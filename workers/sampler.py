@@ -42,6 +42,7 @@ class SamplingRow:
     prompt_token_ids: list[int]  # token ids
     output_token_ids: list[int]  # token ids generated so far
     num_samples: int = 1  # params.n at the step an n > 1 prompt forks, else 1
+    allowed_index: torch.Tensor | None = None  # params.allowed_token_ids, made once a request
 
 
 @dataclass
@@ -53,6 +54,12 @@ class SampledRow:
     error: RequestError | None = None  # set when this row alone could not be sampled
 
 
+# Every token masked: what a client is told (its own parameters left nothing to sample).
+NOTHING_ALLOWED_ERROR = RequestFailure(
+    FailureKind.INVALID,
+    "sampling failed: this request's allowed_token_ids, bad_words, min_tokens or structured "
+    "output left no token to sample",
+)
 NON_FINITE_ERROR = RequestFailure(
     FailureKind.INVALID,
     "sampling failed: this request's parameters (temperature, penalties, logit_bias) made the "
@@ -98,7 +105,10 @@ def apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -
     for i, row in enumerate(rows):
         params = row.params
         if params.allowed_token_ids is not None:
-            allowed = torch.tensor(params.allowed_token_ids, device=logits.device)
+            allowed = row.allowed_index
+            if allowed is None:
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+            allowed = allowed.to(logits.device, non_blocking=True)
             kept = logits[i].index_select(0, allowed)
             logits[i].fill_(float("-inf"))
             logits[i].index_copy_(0, allowed, kept)
@@ -212,15 +222,20 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledRow]:
         samples: list[list[int] | None]
+        masked_out: set[int] = set()  # rows whose own parameters masked every token
         if all(self._is_plain_greedy(row) for row in rows):
             argmax = row_argmax(logits).tolist()  # [num_rows]
             samples = [[token_id] * row.num_samples for token_id, row in zip(argmax, rows)]
         else:
-            samples = self._sample(logits, rows)
+            samples, masked_out = self._sample(logits, rows)
         logprobs = _compute_logprobs(logits, rows, samples)
         return [
-            SampledRow(s, lp) if s is not None else SampledRow([], None, NON_FINITE_ERROR)
-            for s, lp in zip(samples, logprobs)
+            SampledRow(s, lp)
+            if s is not None
+            else SampledRow(
+                [], None, NOTHING_ALLOWED_ERROR if i in masked_out else NON_FINITE_ERROR
+            )
+            for i, (s, lp) in enumerate(zip(samples, logprobs))
         ]
 
     def _is_plain_greedy(self, row: SamplingRow) -> bool:
@@ -234,8 +249,12 @@ class Sampler:
             and not _banned_token_ids(row, self.eos_token_ids)
         )
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int] | None]:
-        """Token ids per row; None for a row whose probabilities are not finite."""
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[list[int] | None], set[int]]:
+        """Token ids per row, None for a row that cannot be sampled: its probabilities are not
+        finite, or (the rows returned apart) its own masks left no token at all (a greedy
+        argmax over nothing would give token 0)."""
         # A kept copy that the draw overwrites in place: the raw logits stay intact for logprobs.
         scratch = self._scratch.rows(logits.shape[0], logits.shape[1], logits.dtype, logits.device)
         logits = scratch.copy_(logits)
@@ -243,6 +262,9 @@ class Sampler:
         apply_allowed_and_bad_words(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
         apply_penalties(logits, rows)
+        masked_out = {
+            i for i, top in enumerate(logits.amax(dim=1).tolist()) if top == float("-inf")
+        }
         samples: list[list[int] | None] = [None for _ in rows]
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
@@ -264,7 +286,9 @@ class Sampler:
             drawn = self._sample_random(random_logits, [rows[i] for i in random])
             for i, token_ids in zip(random, drawn):
                 samples[i] = token_ids
-        return samples
+        for i in masked_out:
+            samples[i] = None
+        return samples, masked_out
 
     def _sample_random(
         self, logits: torch.Tensor, rows: list[SamplingRow]

@@ -116,7 +116,7 @@ class AsyncEngine:
             stream_interval=request.stream_interval,
             sink=sink,
             output_token_ids=request.output_token_ids,
-            grammar_after_token_id=request.grammar_after_token_id,
+            thinking_end_token_id=request.thinking_end_token_id,
         )
 
     def add_request(
@@ -130,12 +130,12 @@ class AsyncEngine:
         stream_interval: int | None = 1,
         sink: Sink | None = None,
         output_token_ids: list[int] | None = None,
-        grammar_after_token_id: int | None = None,
+        thinking_end_token_id: int | None = None,
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """Queue a validated request; returns its stream of outputs, merged per
         `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
         `output_token_ids`: its output so far, from an engine that lost it (it resumes there).
-        `grammar_after_token_id`: its structured output holds only after this token (a reasoning
+        `thinking_end_token_id`: its structured output holds only after this token (a reasoning
         model's `</think>`).
 
         Closing or cancelling the stream before it finishes aborts the request. With `sink`,
@@ -159,7 +159,7 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
             output_token_ids=list(output_token_ids or ()),
-            grammar_after_token_id=grammar_after_token_id,
+            thinking_end_token_id=thinking_end_token_id,
         )
         return self.requests.accept(
             engine_request,

@@ -105,6 +105,11 @@ class PromptValidator:
             return self
         custom = copy.copy(self)
         if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens > self.max_model_len:
+                raise refusal(
+                    "truncate_prompt_tokens",
+                    f"{truncate_prompt_tokens} is over max_model_len={self.max_model_len}",
+                )
             keep = (
                 self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             )
@@ -274,7 +279,7 @@ def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]
     with one leading space where that makes other tokens of the same count (a word mid-text);
     raises ValueError for a word of no tokens, or past `MAX_BAD_WORDS` tokenizations."""
     words: list[list[int]] = []
-    for word in bad_words:
+    for word in dict.fromkeys(bad_words):  # a word given twice is banned once, as vLLM's
         alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         if not alone:
             raise refusal("bad_words", f"{word!r} is no token of this vocabulary")

@@ -1,5 +1,6 @@
 """Where a reasoning model's thinking ends, in tokens: a structured output's grammar holds only
-after it, as vLLM's does (its `enable_in_reasoning` off), so the model thinks freely first.
+after it, as vLLM's does (its `enable_in_reasoning` off), so the model thinks freely first, and
+a `thinking_token_budget` counts the tokens before it.
 
 Reasoning models' vocabularies have `<think>` and `</think>` as single tokens; the engine
 watches a constrained sequence's output for the `</think>` id and applies the grammar from the
@@ -45,9 +46,10 @@ class ThinkingTokens:
             frozenset(b for b in boundaries if b is not None),
         )
 
-    def grammar_after(self, prompt_token_ids: Sequence[int]) -> int | None:
-        """The token after which an output of this prompt holds to its grammar: `</think>`,
-        unless the prompt's thinking is closed already (its turn's last tag is a `</think>`)."""
+    def thinking_end(self, prompt_token_ids: Sequence[int]) -> int | None:
+        """The token that ends the thinking an output of this prompt starts in (its grammar
+        holds after it, its thinking budget counts before it): `</think>`, unless the prompt's
+        thinking is closed already (its turn's last tag is a `</think>`); then None."""
         for token_id in reversed(prompt_token_ids):
             if token_id == self.start or token_id in self.boundaries:
                 return self.end

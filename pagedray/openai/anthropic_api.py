@@ -150,7 +150,8 @@ class _Conversation(BaseModel):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     # {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}: disabled turns a thinking
-    # model's thinking off (reasoning_effort "none", as vLLM maps it); the budget is not held.
+    # model's thinking off (reasoning_effort "none", as vLLM maps it); the budget is held as
+    # `thinking_token_budget` (vLLM's mapping) by a server with a reasoning parser.
     thinking: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -179,6 +180,15 @@ class MessagesRequest(_Conversation):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = None
     top_k: int | None = None
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """`thinking: {"type": "enabled", "budget_tokens": N}`'s N."""
+        thinking = self.thinking or {}
+        budget = thinking.get("budget_tokens")
+        if thinking.get("type") != "enabled" or not isinstance(budget, int) or budget < 0:
+            return None
+        return budget
 
 
 class CountTokensRequest(_Conversation):
@@ -234,6 +244,8 @@ def to_chat_body(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
         _add_tool_choice(body, request.tool_choice)
     if request.thinking is not None and request.thinking.get("type") == "disabled":
         body["reasoning_effort"] = "none"  # counted as the Messages call renders it too
+    if isinstance(request, MessagesRequest) and request.thinking_budget is not None:
+        body["thinking_token_budget"] = request.thinking_budget
     if isinstance(request, MessagesRequest):
         body["max_tokens"] = request.max_tokens
         optional = {

@@ -38,6 +38,9 @@ LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_MAX_S = 10.0
 # Answered without the API key: what a load balancer probes, and (as vLLM does) the metrics.
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# What a body sent to an open path (a POST /ping) may hold: none of them reads one, and a client
+# without the key must not make the ingress hold a generation's worth of body.
+OPEN_PATH_MAX_BODY_BYTES = 4096
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -100,10 +103,13 @@ class IngressGuard:
             await self.app(scope, receive, send)
             return
         settings = self.settings_of()
-        refusal = self._refusal(scope, settings)
+        limit = settings.max_request_body_bytes
+        if route_path(scope) in OPEN_PATHS:
+            limit = min(limit, OPEN_PATH_MAX_BODY_BYTES)
+        refusal = self._refusal(scope, settings, limit)
         body_pending = scope.get("method") in _BODY_METHODS
         if refusal is None and body_pending:
-            body, refusal = await _read_body(receive, settings.max_request_body_bytes)
+            body, refusal = await _read_body(receive, limit)
             if body is None and refusal is None:  # the client went away
                 return
             body_pending = body is None
@@ -115,7 +121,7 @@ class IngressGuard:
             return
         await self._guarded(scope, receive, send)
 
-    def _refusal(self, scope: Scope, settings: GuardSettings) -> Any:
+    def _refusal(self, scope: Scope, settings: GuardSettings, limit: int) -> Any:
         digest = settings.api_key_digest
         open_path = route_path(scope) in OPEN_PATHS
         if digest is not None and not open_path and not _has_key(scope, digest):
@@ -126,8 +132,8 @@ class IngressGuard:
         if declared is not None:
             if not declared.isdigit():
                 return error_response(400, "body: invalid Content-Length", param="body")
-            if int(declared) > settings.max_request_body_bytes:
-                return _too_large(settings.max_request_body_bytes)
+            if int(declared) > limit:
+                return _too_large(limit)
         return None
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -121,6 +121,8 @@ class _GenerationRequest(ConstraintFields):
     # token of output), its last ("left", the default) or its first ("right").
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT32)
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: a reasoning model's thinking, in tokens at most (-1: no limit); then it ends.
+    thinking_token_budget: int | None = _bounded(None, minimum=-1, maximum=MAX_INT32)
     # vLLM's: each prompt token's logprob with this many alternatives (not streamed).
     prompt_logprobs: int | None = _bounded(None, **_LOGPROBS)
     cache_salt: str | None = _bounded(None, minLength=1)
@@ -135,7 +137,7 @@ class _GenerationRequest(ConstraintFields):
     def _check_common(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise refusal("stream_options", "only allowed when stream is true")
-        if self.prompt_logprobs is not None and self.stream:
+        if self.prompt_logprobs and self.stream:  # 0 asks nothing: accepted, as vLLM's
             raise refusal("prompt_logprobs", "not available when stream is true")
         if self.cache_salt is not None and not self.cache_salt:
             raise refusal("cache_salt", "must be a non-empty string")
@@ -175,6 +177,7 @@ class _GenerationRequest(ConstraintFields):
             logit_bias=_token_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []),
+            thinking_token_budget=self.thinking_token_budget,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -297,6 +300,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's: a last assistant message's content goes before each answer's (a continued one).
     echo: bool = False
+
     max_tokens: int | None = _bounded(None, **_COUNT)
     max_completion_tokens: int | None = _bounded(None, **_COUNT)
     logprobs: bool = False
@@ -328,12 +332,18 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields, _ChatEndingFields):
         )
 
     def echoed(self) -> str | None:
-        """With `echo`, the content an answer starts with: the last message's, where it is the
-        assistant's (the answer's role), as vLLM's."""
+        """With `echo`, the content an answer starts with, as vLLM's: the last message's where
+        it has the answer's role (the assistant's, or without a generation prompt its own), its
+        parts joined by line breaks."""
         if not self.echo:
             return None
-        last = self.messages[-1].as_template_input()
-        return (last["content"] or None) if last["role"] == "assistant" else None
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return None
+        content = last.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        return content or None
 
 
 class TokenizeRequest(_ChatEndingFields):

@@ -40,6 +40,7 @@ from pagedray.openai.serving import (
     logger,
 )
 from pagedray.openai.tool_calls import ToolCallOutput
+from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import SamplingParams
 
 # Threads per server that parse bodies and (de)tokenize, off the event loop: a huge prompt then
@@ -47,6 +48,7 @@ from pagedray.scheduler.sampling_params import SamplingParams
 TOKENIZER_THREADS = 4
 # The prompt's last tokens, read for whether its thinking is open (`_reasoning`).
 PROMPT_TAIL_TOKENS = 32
+UNKEPT_BUDGET = "needs a --reasoning-parser and a vocabulary where </think> is one token"
 # Tokens per engine message of a non-streamed request with stop strings: the server finds them,
 # so it needs the tokens before the end, but not one message per token.
 STOP_CHECK_INTERVAL = 8
@@ -170,12 +172,15 @@ class OpenAIServer:
                 self.tokenizer.chat_template,
             ),
         )
-        reasoning, grammar_after = self._reasoning(body, params, prompt.token_ids)
+        try:
+            reasoning, thinking_end = self._reasoning(body, params, prompt.token_ids)
+        except ValueError as exc:
+            return bad_request(exc)
         if split_reasoning:
             ctx.reasoning = reasoning
             ctx.reasoning_tags = self._reasoning_tags
         streams = await self.open(
-            request_id, [prompt], [params], body.priority, body.stream, [grammar_after]
+            request_id, [prompt], [params], body.priority, body.stream, [thinking_end]
         )
         return streams if isinstance(streams, Response) else (ctx, streams)
 
@@ -190,13 +195,17 @@ class OpenAIServer:
         self, body: ChatCompletionRequest, params: SamplingParams, prompt_token_ids: list[int]
     ) -> tuple[ReasoningParser | None, int | None]:
         """How a chat answer's thinking splits from its content (None: it has none), and the
-        token after which its structured output's grammar holds (None: from the first token).
+        token that ends the thinking the output starts in, for the engine (None: it does not
+        start thinking, or the vocabulary has no such token): its structured output's grammar
+        holds after it, and its `thinking_token_budget` counts before it.
 
         As vLLM's, a reasoning model thinks freely and its grammar holds after `</think>`,
         where the vocabulary has that as one token (as reasoning models' do). Else the grammar
         holds from the first token: output held to JSON then has no thinking, and a regex,
         choice or grammar's starts in the content. Where the output starts is read from the
-        prompt's end."""
+        prompt's end. Raises ValueError for a budget that cannot be kept."""
+        if params.thinking_token_budget is not None and not self.keeps_thinking_budgets:
+            raise refusal("thinking_token_budget", UNKEPT_BUDGET)
         if self.config.reasoning_parser is None:
             return None, None
         constraint = params.structured_outputs
@@ -217,27 +226,35 @@ class OpenAIServer:
             continues=continues,
         )
         free = parser()
-        if constraint is None:
-            return free, None
+        thinking_end = None
         if free is not None and free.thinking and self._thinking_tokens is not None:
-            return free, self._thinking_tokens.end
+            thinking_end = self._thinking_tokens.end
+        if constraint is None or thinking_end is not None:
+            return free, thinking_end
         if constraint.key[0] == "json":
             return None, None
         return parser(constrained=True), None
 
-    def grammar_after(
-        self, prompts: list[ValidatedPrompt], params: list[SamplingParams]
+    def thinking_ends(
+        self, prompts: list[ValidatedPrompt], params: SamplingParams
     ) -> list[int | None] | None:
-        """Per completions prompt, the token after which its structured output holds: as
-        vLLM's engine decides it, from the prompt's tokens (engine/thinking_tokens.py); None
-        without a reasoning parser."""
-        thinking = self._thinking_tokens
-        if self.config.reasoning_parser is None or thinking is None:
+        """Per completions prompt, the token that ends the thinking its output starts in, as
+        vLLM's engine decides it from the prompt's tokens (engine/thinking_tokens.py): its
+        structured output holds after it, its thinking budget counts before it; None without
+        a reasoning parser. Raises ValueError for a budget that cannot be kept."""
+        if not self.keeps_thinking_budgets:
+            if params.thinking_token_budget is not None:
+                raise refusal("thinking_token_budget", UNKEPT_BUDGET)
             return None
-        return [
-            thinking.grammar_after(prompt.token_ids) if p.structured_outputs else None
-            for prompt, p in zip(prompts, params, strict=True)
-        ]
+        thinking = self._thinking_tokens
+        assert thinking is not None
+        return [thinking.thinking_end(prompt.token_ids) for prompt in prompts]
+
+    @property
+    def keeps_thinking_budgets(self) -> bool:
+        """A reasoning parser and a vocabulary where `</think>` is one token: the engine can
+        end a thinking after a budget."""
+        return self.config.reasoning_parser is not None and self._thinking_tokens is not None
 
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:
@@ -258,12 +275,12 @@ class OpenAIServer:
         params: list[SamplingParams],
         priority: int,
         stream: bool,
-        grammar_after: list[int | None] | None = None,
+        thinking_ends: list[int | None] | None = None,
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt, each with its parameters (`params`, in the
-        prompts' order); an error response if any is refused. `grammar_after`: per prompt, the
-        token after which its structured output holds (a reasoning model's `</think>`; None:
-        from the first token)."""
+        prompts' order); an error response if any is refused. `thinking_ends`: per prompt, the
+        token that ends the thinking its output starts in (a reasoning model's `</think>`;
+        None: it does not start thinking)."""
         requests = [
             GenerateRequest(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
@@ -272,7 +289,7 @@ class OpenAIServer:
                 priority,
                 prompt.cache_salt,
                 self._stream_interval(stream, prompt_params),
-                grammar_after_token_id=grammar_after[i] if grammar_after else None,
+                thinking_end_token_id=thinking_ends[i] if thinking_ends else None,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]

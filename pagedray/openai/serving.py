@@ -180,7 +180,7 @@ class LogprobFormatter:
                     str(t): PromptLogprob(
                         logprob=max(lp, MIN_LOGPROB),
                         rank=rank if t == token_id else position,
-                        decoded_token=self.token_str(t),
+                        decoded_token=self.tokenizer.decode([t]),  # as vLLM's: as it decodes
                     )
                     for position, (t, lp) in enumerate(ranked, start=1)
                 }

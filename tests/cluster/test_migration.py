@@ -52,14 +52,14 @@ def test_a_choice_that_moves_keeps_all_its_request_carries() -> None:
     (a reasoning model's grammar that holds after the thinking, among others); nothing the
     router set for the first attempt."""
     request = _request(temperature=1.0, seed=3, n=2, prompt_logprobs=1)
-    request.priority, request.cache_salt, request.grammar_after_token_id = 5, "tenant", 42
+    request.priority, request.cache_salt, request.thinking_end_token_id = 5, "tenant", 42
     request.channel_id, request.routing_hashes = "ingress-1", [b"h"]
     request.failed_replica_ids = {"a"}
     choice = choice_request(request, 1, [7, 8])
     assert choice.request_id == "r-choice1" and choice.output_token_ids == [7, 8]
     assert choice.sampling_params.n == 1 and choice.sampling_params.prompt_logprobs is None
     assert choice.sampling_params.seed != request.sampling_params.seed
-    assert (choice.priority, choice.cache_salt, choice.grammar_after_token_id) == (5, "tenant", 42)
+    assert (choice.priority, choice.cache_salt, choice.thinking_end_token_id) == (5, "tenant", 42)
     assert choice.channel_id is None and choice.routing_hashes is None
     assert (
         choice.failed_replica_ids == {"a"}

@@ -53,6 +53,10 @@ CASES = {
         logit_bias={THINK_END: 12},
         structured_outputs=StructuredOutputsParams(json=SCHEMA),
     ),
+    # And one whose thinking budget forces the end of its thinking after 3 tokens.
+    "thinking budget": SamplingParams(
+        temperature=0.8, seed=9, max_tokens=24, ignore_eos=True, thinking_token_budget=3
+    ),
 }
 
 
@@ -71,9 +75,9 @@ async def _tokens(
     params: SamplingParams,
     output: list[int] | None = None,
 ) -> list[int]:
-    gate = THINK_END if params.logit_bias else None
+    gate = THINK_END if params.logit_bias or params.thinking_token_budget else None
     stream = engine.add_request(
-        request_id, prompt, params, output_token_ids=output, grammar_after_token_id=gate
+        request_id, prompt, params, output_token_ids=output, thinking_end_token_id=gate
     )
     return [t async for out in stream for d in out.deltas for t in d.token_ids]
 
@@ -90,7 +94,10 @@ def test_a_resumed_request_continues_token_exact(tiny_llama: str, case: str) -> 
         # NOTE: not after the last token but one: a grammar's last token and the EOS that ends
         # its output leave in one output, so no client holds one without the other.
         # Across the end of a thinking too: the resumed output's replay opens the grammar.
-        gate = [whole.index(THINK_END), whole.index(THINK_END) + 1] if params.logit_bias else []
+        thinks = params.logit_bias or params.thinking_token_budget
+        gate = [whole.index(THINK_END), whole.index(THINK_END) + 1] if thinks else []
+        if params.thinking_token_budget:
+            assert whole.index(THINK_END) == params.thinking_token_budget  # forced there
         assert all(1 < cut < len(whole) - 2 for cut in gate)
         for cut in (1, 7, len(whole) - 2, *gate):
             resumed = await _tokens(engine, f"resumed-{cut}", prompt, params, whole[:cut])

@@ -337,9 +337,9 @@ def test_qwen3_reads_the_prompt_back_to_its_turn_only() -> None:
     assert not ReasoningParser.of("qwen3", {}, prompt_tail=closed).thinking
     assert not ReasoningParser.of("deepseek_r1", {}, prompt_tail=loop).thinking
     tags = ThinkingTokens(start=510, end=511, boundaries=frozenset({3, 4}))
-    assert tags.grammar_after([510, 9, 511, 12, 4, 3, 9]) == 511  # thinks anew: after `</think>`
-    assert tags.grammar_after([4, 3, 9, 510, 511, 9]) is None  # this turn closed it
-    assert ThinkingTokens(510, 511).grammar_after([510, 9, 511, 12, 4, 3, 9]) is None
+    assert tags.thinking_end([510, 9, 511, 12, 4, 3, 9]) == 511  # thinks anew: after `</think>`
+    assert tags.thinking_end([4, 3, 9, 510, 511, 9]) is None  # this turn closed it
+    assert ThinkingTokens(510, 511).thinking_end([510, 9, 511, 12, 4, 3, 9]) is None
 
 
 @pytest.mark.parametrize(
@@ -477,3 +477,57 @@ def test_a_structured_answer_is_held_to_its_grammar_after_the_thinking(
     assert answer.usage.completion_tokens_details.reasoning_tokens == thought
     assert usage is not None and usage.completion_tokens_details.reasoning_tokens == thought
     assert responses_usage.output_tokens_details.reasoning_tokens == responses_usage.output_tokens
+
+
+def test_a_thinking_token_budget_ends_the_thinking(thinking_llama: str, tiny_llama: str) -> None:
+    """vLLM's `thinking_token_budget`: after that many thinking tokens the engine forces
+    `</think>` (the random model never writes it itself), per choice, whole and streamed, and
+    a structured output then holds after it; refused where it cannot be kept."""
+    http, sdk = _served(thinking_llama, reasoning_parser="deepseek_r1")
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {
+        "type": "object",
+        "properties": {"a": digit},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    asks: Any = {"model": "x", "messages": MESSAGES, "max_tokens": 30, "temperature": 1.0}
+    budget: Any = {"seed": 3, "n": 2, "extra_body": {"thinking_token_budget": 4}}
+    with http:
+        whole: Any = sdk.chat.completions.create(**asks, **budget)
+        text: Any = sdk.completions.create(
+            model="x",
+            prompt="Think.",
+            max_tokens=30,
+            seed=3,
+            extra_body={"thinking_token_budget": 2},
+        )
+        streamed = ["", ""]
+        for chunk in sdk.chat.completions.create(**asks, **budget, stream=True):
+            for choice in chunk.choices:
+                streamed[choice.index] += getattr(choice.delta, "reasoning", None) or ""
+        thinking = {"type": "enabled", "budget_tokens": 3}
+        message = {"model": "x", "max_tokens": 20, "messages": MESSAGES, "thinking": thinking}
+        anthropic = http.post("/v1/messages", json=message).json()
+        held: Any = sdk.chat.completions.create(
+            **asks,
+            seed=3,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            extra_body={"thinking_token_budget": 4},
+        )
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 2 * 4
+    assert all(choice.message.reasoning and choice.message.content for choice in whole.choices)
+    assert streamed == [choice.message.reasoning for choice in whole.choices]
+    assert text.choices[0].text.count("</think>") == 1
+    assert held.usage.completion_tokens_details.reasoning_tokens == 4
+    assert json.loads(held.choices[0].message.content).keys() == {"a"}
+    # Anthropic's budget, as vLLM maps it: the thinking block ends, the text follows.
+    assert [block["type"] for block in anthropic["content"]] == ["thinking", "text"]
+    http, sdk = _served(tiny_llama)
+    with http:
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(**asks, extra_body={"thinking_token_budget": 4})
+        # A Messages client's budget is no error where none can be kept: it is not held.
+        plain = http.post("/v1/messages", json=message)
+    assert refused.value.body["param"] == "thinking_token_budget"  # type: ignore[index]
+    assert plain.status_code == 200

@@ -339,26 +339,42 @@ def test_allowed_token_ids_keep_only_those_tokens() -> None:
     assert out[2].token_ids == [int(logits[2].argmax())]
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    output=st.lists(st.integers(0, 3), max_size=6),
-    words=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), min_size=1, max_size=3),
+@pytest.mark.parametrize(
+    ("output", "words", "banned"),
+    [
+        ([], [[4]], {4}),  # a one-token word: always
+        ([], [[2, 4]], set()),  # nothing written yet: the word cannot be at its last token
+        ([1, 2], [[2, 4]], {4}),  # "2" just written: its "4" is banned
+        ([2, 1], [[2, 4]], set()),  # written, but not last
+        ([1, 2, 3], [[2, 3, 4], [3, 5], [9, 3, 6]], {4, 5}),  # two words match, one does not
+        ([3], [[1, 2, 3, 4]], set()),  # longer than the output plus one
+    ],
 )
 def test_bad_words_ban_a_word_s_last_token_after_the_rest_of_it(
-    output: list[int], words: list[list[int]]
+    output: list[int], words: list[list[int]], banned: set[int]
 ) -> None:
-    """vLLM's rule: a word's last token is banned where the output ends with the word's other
-    tokens (a one-token word always); nothing else changes."""
+    """vLLM's rule (v1/sample/ops/bad_words.py): a word's last token is banned where the
+    output ends with the word's other tokens (a one-token word always); nothing else changes."""
     logits = torch.zeros(1, VOCAB)
     sampled = row(temperature=0.0, output=output)
     sampled.params.bad_words_token_ids = words
     apply_allowed_and_bad_words(logits, [sampled])
-    banned = {
-        w[-1]
-        for w in words
-        if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1 :] == w[:-1]
-    }
     assert {t for t in range(VOCAB) if logits[0, t] == -math.inf} == banned
+
+
+def test_a_row_whose_own_masks_leave_nothing_fails_alone_and_says_why() -> None:
+    """allowed_token_ids with every allowed token a bad word (greedy: an argmax over nothing
+    would be token 0; sampled: no probabilities): that request fails, naming its parameters;
+    its neighbours are sampled."""
+    logits = random_logits(3, seed=6)
+    dead_greedy = row(temperature=0.0, allowed_token_ids=[5])
+    dead_greedy.params.bad_words_token_ids = [[5]]
+    dead_sampled = row(seed=1, allowed_token_ids=[5, 6], min_tokens=1, stop_token_ids=[5, 6])
+    out = make_sampler()(logits, [dead_greedy, row(temperature=0.0), dead_sampled])
+    assert out[0].token_ids == [] and out[2].token_ids == []
+    assert out[0].error is not None and "allowed_token_ids" in out[0].error.message
+    assert out[2].error is not None and "allowed_token_ids" in out[2].error.message
+    assert out[1].token_ids == [int(logits[1].argmax())]
 
 
 # ---- fault isolation: one row's failure is its own -----------------------------------------

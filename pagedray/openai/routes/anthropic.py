@@ -45,6 +45,8 @@ async def create_message(raw: Request, server: OpenAIServer = Depends(openai_ser
     chat = _chat_request(to_chat_body(body), body.stream)
     if isinstance(chat, Response):
         return chat
+    if not server.keeps_thinking_budgets:  # a client's budget is no error where none is kept
+        chat.thinking_token_budget = None
     started = await server.start_chat(message_id, chat, split_reasoning=True)
     if isinstance(started, Response):
         return renamed_fields(started, CHAT_TO_ANTHROPIC_FIELDS)

@@ -54,9 +54,12 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
         echo_token_ids=[p.token_ids for p in prompts] if body.echo else None,
         prompt_token_ids=[p.token_ids for p in prompts] if body.return_token_ids else None,
     )
-    grammar_after = server.grammar_after(prompts, params)
+    try:
+        thinking_ends = server.thinking_ends(prompts, params[0])
+    except ValueError as exc:
+        return bad_request(exc)
     streams = await server.open(
-        engine_id, prompts, params, body.priority, body.stream, grammar_after
+        engine_id, prompts, params, body.priority, body.stream, thinking_ends
     )
     if isinstance(streams, Response):
         return streams

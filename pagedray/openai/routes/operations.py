@@ -54,8 +54,9 @@ async def retrieve_model(model_id: str, server: OpenAIServer = Depends(openai_se
 
 
 @router.get("/health", responses=responses(None, errors=(503,)))
-# vLLM's SageMaker ping: the health check, by both methods.
-@router.api_route("/ping", methods=["GET", "POST"], responses=responses(None, errors=(503,)))
+# vLLM's SageMaker ping: the health check, by both methods (one operation id each).
+@router.get("/ping", responses=responses(None, errors=(503,)), operation_id="ping_get")
+@router.post("/ping", responses=responses(None, errors=(503,)), operation_id="ping_post")
 async def health(server: OpenAIServer = Depends(openai_server)) -> Response:
     """200 ok (or degraded: saturated, still serving) while every engine steps; 503 when one
     cannot. The details are for the log and /stats, not for this answer."""
