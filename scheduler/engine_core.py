@@ -147,7 +147,8 @@ class EngineCore:
             grammar = req.grammar
             if grammar is not None and grammar.holds:
                 rows[req_id] = grammar
-            elif req.must_end_thinking and req.thinking_end_token_id is not None:
+            elif req.thinking_left == 0 and req.thinking_end_token_id is not None:
+                # Its thinking budget is spent: the next token must end the thinking.
                 forced[req_id] = req.thinking_end_token_id
         return rows, forced
 

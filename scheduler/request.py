@@ -120,7 +120,8 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        self.count_thinking(token_ids)
+        if self.thinking_left is not None:  # a thinking with a budget: most requests have none
+            self.count_thinking(token_ids)
 
     def count_thinking(self, token_ids: list[int]) -> None:
         """Spend the thinking budget on output tokens, until the one that ends the thinking."""
@@ -131,11 +132,6 @@ class Request:
                 self.thinking_left = None
             else:
                 self.thinking_left = max(self.thinking_left - 1, 0)
-
-    @property
-    def must_end_thinking(self) -> bool:
-        """Its thinking budget is spent: the next token must end the thinking."""
-        return self.thinking_left == 0
 
     def fork_child(self, choice_index: int) -> Request:
         """A child sequence that continues this prompt; it shares the prompt's computed KV."""

@@ -210,7 +210,7 @@ async def completion_response(
                 stop_reason=c.stop_reason,
                 prompt_token_ids=ctx.prompt_ids(i),
                 token_ids=ctx.token_ids(c),
-                prompt_logprobs=ctx.logprobs.prompt_entries(c),
+                prompt_logprobs=ctx.logprobs.prompt_entries(c) if c.prompt_logprobs else None,
             )
             for i, c in enumerate(choices)
         ],
@@ -271,7 +271,9 @@ async def chat_response(
         ],
         usage=usage.info(),
         prompt_token_ids=ctx.prompt_ids(0),
-        prompt_logprobs=ctx.logprobs.prompt_entries(choices[0]),
+        prompt_logprobs=(
+            ctx.logprobs.prompt_entries(choices[0]) if choices[0].prompt_logprobs else None
+        ),
     )
 
 
