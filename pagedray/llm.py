@@ -126,6 +126,7 @@ class LLM:
                     priority=prio,
                     cache_salt=prompt.cache_salt,
                     thinking_end_token_id=thinking_end,
+                    thinking_start_token_id=self._thinking_start,
                 )
             )
             self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
@@ -150,6 +151,11 @@ class LLM:
                 "needs reasoning_parser and a vocabulary where </think> is one token",
             )
         return None if thinking is None else thinking.thinking_end(prompt_token_ids)
+
+    @property
+    def _thinking_start(self) -> int | None:
+        thinking = self._thinking_tokens
+        return thinking.start if thinking is not None else None
 
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:

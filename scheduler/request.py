@@ -53,6 +53,7 @@ class EngineRequest:
     # thinking, after which a structured output's grammar holds (vLLM's default) and before
     # which `thinking_token_budget` counts; None: the output does not start thinking.
     thinking_end_token_id: int | None = None
+    thinking_start_token_id: int | None = None  # `<think>`: not a thinking token where it leads
 
 
 class Request:
@@ -77,11 +78,15 @@ class Request:
         # A resumed output not yet replayed through the request's grammar (at its admission).
         self.unreplayed_token_ids: list[int] = list(engine_request.output_token_ids)
         self.thinking_end_token_id = engine_request.thinking_end_token_id
+        self.thinking_start_token_id = engine_request.thinking_start_token_id
         # While the output thinks (the end token not sampled yet): how many more thinking tokens
         # its `thinking_token_budget` allows (None: no budget, or no thinking left to count).
+        # As vLLM's, the prompt's thinking since its last `<think>` (a prefill's) is spent.
         self.thinking_left: int | None = None
-        if self.thinking_end_token_id is not None:
-            self.thinking_left = self.sampling_params.thinking_token_budget
+        self.output_thinking_seen = False  # a first output token was counted (or skipped)
+        budget = self.sampling_params.thinking_token_budget
+        if self.thinking_end_token_id is not None and budget is not None:
+            self.thinking_left = max(budget - self._thinking_in_prompt(), 0)
             self.count_thinking(self.output_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet admitted
@@ -124,14 +129,26 @@ class Request:
             self.count_thinking(token_ids)
 
     def count_thinking(self, token_ids: list[int]) -> None:
-        """Spend the thinking budget on output tokens, until the one that ends the thinking."""
+        """Spend the thinking budget on output tokens, until the one that ends the thinking (a
+        leading `<think>`, the model opening it, is no thinking token)."""
         for token_id in token_ids:
             if self.thinking_left is None:
                 return
+            leading, self.output_thinking_seen = not self.output_thinking_seen, True
             if token_id == self.thinking_end_token_id:
                 self.thinking_left = None
-            else:
+            elif not (leading and token_id == self.thinking_start_token_id):
                 self.thinking_left = max(self.thinking_left - 1, 0)
+
+    def _thinking_in_prompt(self) -> int:
+        """Thinking tokens the prompt holds already: those after its last `<think>`, unless a
+        `</think>` closed it."""
+        for back, token_id in enumerate(reversed(self.prompt_token_ids)):
+            if token_id == self.thinking_end_token_id:
+                return 0
+            if token_id == self.thinking_start_token_id:
+                return back
+        return 0
 
     def fork_child(self, choice_index: int) -> Request:
         """A child sequence that continues this prompt; it shares the prompt's computed KV."""
@@ -147,11 +164,13 @@ class Request:
                 priority=self.priority,
                 cache_salt=self.cache_salt,
                 thinking_end_token_id=self.thinking_end_token_id,
+                thinking_start_token_id=self.thinking_start_token_id,
             ),
             parent_req_id=self.req_id,
             choice_index=choice_index,
         )
         child.thinking_left = self.thinking_left
+        child.output_thinking_seen = self.output_thinking_seen
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.scheduled_time = self.scheduled_time

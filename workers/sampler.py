@@ -57,8 +57,8 @@ class SampledRow:
 # Every token masked: what a client is told (its own parameters left nothing to sample).
 NOTHING_ALLOWED_ERROR = RequestFailure(
     FailureKind.INVALID,
-    "sampling failed: this request's allowed_token_ids, bad_words, min_tokens or structured "
-    "output left no token to sample",
+    "sampling failed: this request's allowed_token_ids, bad_words, min_tokens, structured "
+    "output or thinking_token_budget (which forces </think>) left no token to sample",
 )
 NON_FINITE_ERROR = RequestFailure(
     FailureKind.INVALID,
@@ -117,6 +117,24 @@ def apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -
             start = len(word) - 1
             if start <= len(output) and output[len(output) - start :] == word[:start]:
                 logits[i, word[-1]] = float("-inf")
+
+
+def _masked_out(
+    logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]
+) -> set[int]:
+    """The rows whose own masks (allowed_token_ids, bad_words, min_tokens) left no token, read
+    only where a row has such a mask (a grammar always allows a token)."""
+    masked = [
+        i
+        for i, row in enumerate(rows)
+        if row.params.allowed_token_ids is not None
+        or row.params.bad_words_token_ids
+        or _banned_token_ids(row, eos_token_ids)
+    ]
+    if not masked:
+        return set()
+    tops = logits.index_select(0, torch.tensor(masked, device=logits.device)).amax(dim=1)
+    return {i for i, top in zip(masked, tops.tolist()) if top == float("-inf")}
 
 
 def apply_min_tokens(
@@ -262,9 +280,7 @@ class Sampler:
         apply_allowed_and_bad_words(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
         apply_penalties(logits, rows)
-        masked_out = {
-            i for i, top in enumerate(logits.amax(dim=1).tolist()) if top == float("-inf")
-        }
+        masked_out = _masked_out(logits, rows, self.eos_token_ids)
         samples: list[list[int] | None] = [None for _ in rows]
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:

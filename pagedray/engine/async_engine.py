@@ -117,6 +117,7 @@ class AsyncEngine:
             sink=sink,
             output_token_ids=request.output_token_ids,
             thinking_end_token_id=request.thinking_end_token_id,
+            thinking_start_token_id=request.thinking_start_token_id,
         )
 
     def add_request(
@@ -131,12 +132,14 @@ class AsyncEngine:
         sink: Sink | None = None,
         output_token_ids: list[int] | None = None,
         thinking_end_token_id: int | None = None,
+        thinking_start_token_id: int | None = None,
     ) -> AsyncGenerator[RequestStepOutput, None]:
         """Queue a validated request; returns its stream of outputs, merged per
         `stream_interval` tokens (None: one output at the end; see `StreamCoalescer`).
         `output_token_ids`: its output so far, from an engine that lost it (it resumes there).
-        `thinking_end_token_id`: its structured output holds only after this token (a reasoning
-        model's `</think>`).
+        `thinking_end_token_id`: the token that ends the thinking its output starts in (a
+        reasoning model's `</think>`): its structured output holds after it, its thinking budget
+        counts before it; `thinking_start_token_id`: `<think>`, which is no thinking token.
 
         Closing or cancelling the stream before it finishes aborts the request. With `sink`,
         each output (or the failure) goes to it instead, and `abort()` ends the request.
@@ -160,6 +163,7 @@ class AsyncEngine:
             cache_salt=cache_salt,
             output_token_ids=list(output_token_ids or ()),
             thinking_end_token_id=thinking_end_token_id,
+            thinking_start_token_id=thinking_start_token_id,
         )
         return self.requests.accept(
             engine_request,

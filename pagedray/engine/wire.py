@@ -46,6 +46,7 @@ class GenerateRequest:
     # A reasoning model's structured output holds only after this token, its `</think>`
     # (scheduler/request.py's `EngineRequest`); None: from the first token.
     thinking_end_token_id: int | None = None
+    thinking_start_token_id: int | None = None
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None

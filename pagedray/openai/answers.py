@@ -14,8 +14,7 @@ from typing import AsyncIterator, Iterable, Mapping, Sequence
 from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.engine.step_outputs import merge_step_outputs
 from pagedray.engine.wire import RequestStepOutput
-from pagedray.openai.engine_streams import EngineStreams
-from pagedray.openai.protocol import (
+from pagedray.openai.answer_models import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -26,9 +25,10 @@ from pagedray.openai.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
-    DeltaToolCall,
     UsageInfo,
 )
+from pagedray.openai.constraints import DeltaToolCall
+from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.reasoning import ReasoningParser, ReasoningStream, ThoughtCounter
 from pagedray.openai.serving import (
     SSE_DONE,

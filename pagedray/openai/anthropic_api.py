@@ -186,7 +186,8 @@ class MessagesRequest(_Conversation):
         """`thinking: {"type": "enabled", "budget_tokens": N}`'s N."""
         thinking = self.thinking or {}
         budget = thinking.get("budget_tokens")
-        if thinking.get("type") != "enabled" or not isinstance(budget, int) or budget < 0:
+        enabled = thinking.get("type") == "enabled"
+        if not enabled or isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             return None
         return budget
 

@@ -13,6 +13,7 @@ import json
 import secrets
 from typing import Any, AsyncIterator
 
+from pagedray.openai.answer_models import ChatCompletionResponse
 from pagedray.openai.answers import (
     AnswerContext,
     ChoiceParts,
@@ -22,7 +23,6 @@ from pagedray.openai.answers import (
 )
 from pagedray.openai.anthropic_errors import anthropic_error
 from pagedray.openai.engine_streams import EngineStreams
-from pagedray.openai.protocol import ChatCompletionResponse
 from pagedray.openai.serving import LINE_BREAKS_IN_JSON, UsageCounter, failure_status
 from pagedray.scheduler.request_failure import RequestFailure
 

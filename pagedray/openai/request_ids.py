@@ -4,8 +4,10 @@ the body's `request_id` (vLLM's extension of chat and completions), names the an
 by an id of its own. With `--enable-request-id-headers`, every answer carries an `X-Request-Id`
 header too: the one its request sent, else a new one.
 
-Two requests may send the same id (a retry, a client's bug): the engine's own ids, which must be
-unique, add a random suffix to a client's.
+Two requests may send the same id (a retry, a client's bug; Serve's proxy sends its own, unique,
+with every request): the engine's own ids, which must be unique, add a random suffix to a
+client's. The request log shows the client's (as vLLM's), so that its lines and the answer
+share an id.
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ MAX_LENGTH = 256
 PATTERN = r"^[\x21-\x7e]+$"
 
 
-def answer_and_engine_ids(headers: Headers, body_id: str | None, own_id: str) -> tuple[str, str]:
-    """(the answer's id, the engine's) for a request: a client's id, after `own_id`'s prefix (up
-    to its "-"), and the same with a random suffix; else `own_id` for both. Raises ValueError
-    for a header id past `MAX_LENGTH` or `PATTERN` (the body's is held to them by its schema)."""
+def answer_id_and_engine_suffix(
+    headers: Headers, body_id: str | None, own_id: str
+) -> tuple[str, str]:
+    """(the answer's id, what the engine's ids add to it) for a request: a client's id, after
+    `own_id`'s prefix (up to its "-"), and a random suffix; else `own_id`, and nothing. Raises
+    ValueError for a header id past `MAX_LENGTH` or `PATTERN` (the body's is held to them by its
+    schema)."""
     chosen = headers.get(HEADER) or body_id  # an empty header is none
     if chosen is None:
-        return own_id, own_id
+        return own_id, ""
     prefix = own_id.split("-", 1)[0] + "-"
     if len(chosen) > MAX_LENGTH or not re.match(PATTERN, chosen):
         raise refusal(HEADER, f"1 to {MAX_LENGTH} visible ASCII characters")
-    return f"{prefix}{chosen}", f"{prefix}{chosen}-{uuid.uuid4().hex[:8]}"
+    return f"{prefix}{chosen}", f"-{uuid.uuid4().hex[:8]}"
 
 
 class RequestIdHeaders:

@@ -43,8 +43,19 @@ class RequestLog:
         self.deltas = config.enable_log_deltas and stream
         self.stream = stream
         self.token_ids: dict[tuple[str, int], list[int]] = {}  # per choice, at DEBUG
+        self.shown: dict[str, str] = {}  # an engine request's id -> the id its lines show
 
-    def received(self, request_id: str, prompt: ValidatedPrompt, params: SamplingParams) -> None:
+    def received(
+        self,
+        request_id: str,
+        prompt: ValidatedPrompt,
+        params: SamplingParams,
+        shown_as: str | None = None,
+    ) -> None:
+        """An engine request's line; `shown_as`: the id its lines show (the client's, without
+        the engine's suffix), else its own."""
+        if shown_as is not None:
+            self.shown[request_id] = request_id = shown_as
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "Request %s details: prompt: %r, prompt_token_ids: %s.",
@@ -70,7 +81,7 @@ class RequestLog:
             self._log(delta, kind, choice_text, self.token_ids.pop(key, []))
 
     def _log(self, delta: ChoiceDelta, kind: str, text: str, token_ids: list[int]) -> None:
-        request_id = delta.request_id
+        request_id = self.shown.get(delta.request_id, delta.request_id)
         if logger.isEnabledFor(logging.DEBUG):
             ids = self._cut(token_ids)
             logger.debug(

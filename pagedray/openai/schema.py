@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from pagedray.openai.protocol import ErrorResponse
+from pagedray.openai.answer_models import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 # Errors any route may answer (the API key, the body limit, the engine), and what each means.

@@ -22,12 +22,13 @@ from pagedray.engine.engine_client import EngineClient
 from pagedray.engine.prompt_validator import PromptValidator, ValidatedPrompt
 from pagedray.engine.thinking_tokens import ThinkingTokens
 from pagedray.engine.wire import GenerateRequest
+from pagedray.openai.answer_models import ModelCard
 from pagedray.openai.answers import AnswerContext
 from pagedray.openai.cors import CORSSettings
 from pagedray.openai.engine_streams import EngineStreams
 from pagedray.openai.ingress_guard import GuardSettings
 from pagedray.openai.prompts import RequestT, chat_prompt, decode_body
-from pagedray.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
+from pagedray.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedray.openai.reasoning import ReasoningParser, reasoning_tag_ids
 from pagedray.openai.request_body import BodyError
 from pagedray.openai.request_log import RequestLog, warn_if_unseen
@@ -142,20 +143,20 @@ class OpenAIServer:
         request_id: str,
         body: ChatCompletionRequest,
         split_reasoning: bool = False,
-        answer_id: str | None = None,
+        engine_suffix: str = "",
     ) -> tuple[AnswerContext, EngineStreams] | Response:
         """Template, tokenize and validate a chat request, then submit it; the error response if
         it is refused. Chat completions, the Responses API and Anthropic's Messages API all
         come through here; `split_reasoning`: the answer's thinking is split off as the
-        `--reasoning-parser` says; `answer_id`: the answer's id, where it is not the engine's
-        `request_id` (a client chose it: request_ids.py)."""
+        `--reasoning-parser` says; `engine_suffix`: what the engine's id adds to the answer's
+        `request_id` (a client chose that: request_ids.py)."""
         await self.learn_limits()
         try:
             params, prompt = await self.in_thread(chat_prompt, self.validator, body)
         except ValueError as exc:
             return bad_request(exc)
         ctx = AnswerContext(
-            request_id=answer_id or request_id,
+            request_id=request_id,
             model=self.model_name,
             n=params.n,
             num_prompts=1,
@@ -180,7 +181,13 @@ class OpenAIServer:
             ctx.reasoning = reasoning
             ctx.reasoning_tags = self._reasoning_tags
         streams = await self.open(
-            request_id, [prompt], [params], body.priority, body.stream, [thinking_end]
+            request_id,
+            [prompt],
+            [params],
+            body.priority,
+            body.stream,
+            [thinking_end],
+            engine_suffix,
         )
         return streams if isinstance(streams, Response) else (ctx, streams)
 
@@ -246,6 +253,8 @@ class OpenAIServer:
             if params.thinking_token_budget is not None:
                 raise refusal("thinking_token_budget", UNKEPT_BUDGET)
             return None
+        if params.structured_outputs is None and params.thinking_token_budget is None:
+            return None  # nothing in the engine reads where the thinking ends
         thinking = self._thinking_tokens
         assert thinking is not None
         return [thinking.thinking_end(prompt.token_ids) for prompt in prompts]
@@ -255,6 +264,12 @@ class OpenAIServer:
         """A reasoning parser and a vocabulary where `</think>` is one token: the engine can
         end a thinking after a budget."""
         return self.config.reasoning_parser is not None and self._thinking_tokens is not None
+
+    @property
+    def _thinking_start(self) -> int | None:
+        """`<think>`'s id for the engine (a leading one is no thinking token), if it has one."""
+        thinking = self._thinking_tokens if self.config.reasoning_parser is not None else None
+        return thinking.start if thinking is not None else None
 
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:
@@ -276,27 +291,33 @@ class OpenAIServer:
         priority: int,
         stream: bool,
         thinking_ends: list[int | None] | None = None,
+        engine_suffix: str = "",
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt, each with its parameters (`params`, in the
         prompts' order); an error response if any is refused. `thinking_ends`: per prompt, the
         token that ends the thinking its output starts in (a reasoning model's `</think>`;
-        None: it does not start thinking)."""
+        None: it does not start thinking); `engine_suffix`: what the engine's ids add to those
+        the log shows (request_ids.py)."""
+        shown = [
+            request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
+        ]
         requests = [
             GenerateRequest(
-                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                shown[i] + engine_suffix,
                 prompt.token_ids,
                 prompt_params,
                 priority,
                 prompt.cache_salt,
                 self._stream_interval(stream, prompt_params),
                 thinking_end_token_id=thinking_ends[i] if thinking_ends else None,
+                thinking_start_token_id=self._thinking_start,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
         log = RequestLog(self.config, stream) if self.config.enable_log_requests else None
         if log is not None:
-            for prompt, request in zip(prompts, requests, strict=True):
-                log.received(request.request_id, prompt, request.sampling_params)
+            for name, prompt, request in zip(shown, prompts, requests, strict=True):
+                log.received(request.request_id, prompt, request.sampling_params, name)
         streams = EngineStreams(self.client, requests, self.tokenizer, log)
         failure = await streams.open()
         return engine_error_response(failure) if failure is not None else streams

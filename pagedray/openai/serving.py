@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedray.engine.output_processor import ChoiceDelta
 from pagedray.engine.wire import RequestStepOutput
-from pagedray.openai.protocol import (
+from pagedray.openai.answer_models import (
     ChatTokenLogprob,
     CompletionLogprobs,
     CompletionTokensDetails,

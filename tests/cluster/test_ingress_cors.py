@@ -31,7 +31,8 @@ PREFLIGHT = {
 def _client(monkeypatch: pytest.MonkeyPatch, cors: CORSSettings) -> tuple[TestClient, list[str]]:
     """A client of the app as a replica with `cors` and an API key runs it, and the paths of
     the requests that reached the metrics middleware."""
-    server = SimpleNamespace(guard=GuardSettings(api_key_digest(KEY)), cors=cors)
+    config = SimpleNamespace(enable_request_id_headers=False)  # what the middleware reads
+    server = SimpleNamespace(guard=GuardSettings(api_key_digest(KEY)), cors=cors, config=config)
     replica = SimpleNamespace(server=server, metrics=SimpleNamespace(record=lambda *_: None))
     monkeypatch.setattr(ingress_deployment, "_replica", lambda: replica)
     measured: list[str] = []

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from pagedray.engine.output_processor import ChoiceDelta
-from pagedray.openai.protocol import CompletionChoice, CompletionResponse
+from pagedray.openai.answer_models import CompletionChoice, CompletionResponse
 from pagedray.openai.serving import LogprobFormatter, sse
 
 

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedray.openai.protocol import (
+from pagedray.openai.answer_models import (
     ChatCompletionChunk,
     ChatCompletionStreamChoice,
     CompletionChoice,

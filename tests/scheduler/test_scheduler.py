@@ -775,3 +775,36 @@ def test_messages_pickle_round_trip() -> None:
     for message in messages:
         assert pickle.loads(pickle.dumps(message)) == message
     assert second.blocks_to_copy  # the copy ops survive too
+
+
+START, END = 510, 511  # `<think>`, `</think>`
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output", "left"),
+    [
+        ([1, 2], [], 3),  # nothing spent yet
+        ([1, 2], [5, 6], 1),  # two thinking tokens
+        ([1, 2], [START, 5], 2),  # a leading `<think>` is no thinking token
+        ([1, 2], [5, START], 1),  # past the start it is text, and counts
+        ([1, START, 7, 8], [], 1),  # the prompt's own thinking since its `<think>` is spent
+        ([START, 7, END, 1], [5], 2),  # a closed thinking in the prompt spends nothing
+        ([1, START, 7, 8, 9, 9], [5], 0),  # spent past the budget: the end is forced next
+        ([1, 2], [5, END, 6], None),  # ended: nothing more to count
+    ],
+)
+def test_a_thinking_budget_counts_as_vllm_s_does(
+    prompt: list[int], output: list[int], left: int | None
+) -> None:
+    """`thinking_token_budget` 3 (vLLM's rule): the thinking tokens of the output and of the
+    prompt since its last `<think>`, a leading `<think>` excepted; the same whether the output
+    arrives as sampled or is resumed, and in a forked child."""
+    params = SamplingParams(thinking_token_budget=3)
+    tags: dict = {"thinking_end_token_id": END, "thinking_start_token_id": START}
+    resumed = Request(EngineRequest("r", prompt, params, output_token_ids=output, **tags))
+    sampled = Request(EngineRequest("s", prompt, params, **tags))
+    child = sampled.fork_child(0)
+    for token_id in output:
+        sampled.append_output_token_ids([token_id])
+        child.append_output_token_ids([token_id])
+    assert resumed.thinking_left == sampled.thinking_left == child.thinking_left == left

@@ -8,9 +8,10 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from pagedray.openai.answer_models import ChatCompletionResponse
 from pagedray.openai.answers import chat_chunks, chat_response
-from pagedray.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedray.openai.request_ids import answer_and_engine_ids
+from pagedray.openai.protocol import ChatCompletionRequest
+from pagedray.openai.request_ids import answer_id_and_engine_suffix
 from pagedray.openai.routes.answer_responses import event_stream, json_answer
 from pagedray.openai.schema import request_body, responses
 from pagedray.openai.server import OpenAIServer, openai_server
@@ -30,10 +31,10 @@ async def chat_completions(raw: Request, server: OpenAIServer = Depends(openai_s
     if isinstance(body, Response):
         return body
     try:
-        answer_id, engine_id = answer_and_engine_ids(raw.headers, body.request_id, request_id)
+        answer_id, suffix = answer_id_and_engine_suffix(raw.headers, body.request_id, request_id)
     except ValueError as exc:
         return bad_request(exc)
-    started = await server.start_chat(engine_id, body, split_reasoning=True, answer_id=answer_id)
+    started = await server.start_chat(answer_id, body, split_reasoning=True, engine_suffix=suffix)
     if isinstance(started, Response):
         return started
     ctx, streams = started

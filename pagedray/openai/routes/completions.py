@@ -7,10 +7,11 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from pagedray.openai.answer_models import CompletionResponse
 from pagedray.openai.answers import AnswerContext, completion_chunks, completion_response
 from pagedray.openai.prompts import completion_prompts
-from pagedray.openai.protocol import CompletionRequest, CompletionResponse
-from pagedray.openai.request_ids import answer_and_engine_ids
+from pagedray.openai.protocol import CompletionRequest
+from pagedray.openai.request_ids import answer_id_and_engine_suffix
 from pagedray.openai.routes.answer_responses import event_stream, json_answer
 from pagedray.openai.schema import request_body, responses
 from pagedray.openai.server import OpenAIServer, openai_server
@@ -30,7 +31,7 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
     if isinstance(body, Response):
         return body
     try:
-        answer_id, engine_id = answer_and_engine_ids(raw.headers, body.request_id, request_id)
+        answer_id, suffix = answer_id_and_engine_suffix(raw.headers, body.request_id, request_id)
     except ValueError as exc:
         return bad_request(exc)
     await server.learn_limits()
@@ -59,7 +60,7 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
     except ValueError as exc:
         return bad_request(exc)
     streams = await server.open(
-        engine_id, prompts, params, body.priority, body.stream, thinking_ends
+        answer_id, prompts, params, body.priority, body.stream, thinking_ends, suffix
     )
     if isinstance(streams, Response):
         return streams

@@ -10,7 +10,7 @@ from importlib.metadata import version as package_version
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
-from pagedray.openai.protocol import ModelCard, ModelList
+from pagedray.openai.answer_models import ModelCard, ModelList
 from pagedray.openai.routes.answer_responses import json_answer
 from pagedray.openai.schema import responses
 from pagedray.openai.server import OpenAIServer, openai_server

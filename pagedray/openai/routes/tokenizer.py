@@ -6,13 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from pagedray.openai.answer_models import DetokenizeResponse, TokenizeResponse
 from pagedray.openai.prompts import detokenize, tokenize
-from pagedray.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from pagedray.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagedray.openai.routes.answer_responses import json_answer
 from pagedray.openai.schema import request_body, responses
 from pagedray.openai.server import OpenAIServer, openai_server
