@@ -52,7 +52,7 @@ def _replica_metrics() -> IngressMetrics:
     return _replica().metrics
 
 
-app = openai_fastapi_app(_replica_server, _replica_metrics)
+app = openai_fastapi_app(_replica_server, _replica_metrics, behind_serve=True)
 # Outermost, so every reader of the body (the guard included) sees a hang-up as a disconnect.
 app.add_middleware(ClientDisconnect)
 

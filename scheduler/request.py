@@ -85,7 +85,8 @@ class Request:
         self.thinking_left: int | None = None
         self.output_thinking_seen = False  # a first output token was counted (or skipped)
         budget = self.sampling_params.thinking_token_budget
-        if self.thinking_end_token_id is not None and budget is not None:
+        # A forked child takes its parent's count (fork_child), not the prompt's again.
+        if self.thinking_end_token_id is not None and budget is not None and parent_req_id is None:
             self.thinking_left = max(budget - self._thinking_in_prompt(), 0)
             self.count_thinking(self.output_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

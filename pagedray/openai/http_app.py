@@ -43,9 +43,11 @@ ROUTERS = (
 def openai_fastapi_app(
     server_of: Callable[[], OpenAIServer],
     metrics_of: Callable[[], IngressMetrics] | None = None,
+    behind_serve: bool = False,
 ) -> FastAPI:
     """The app, its routes answered by `server_of()`'s server; with `metrics_of`, every answer
-    is counted and timed into it."""
+    is counted and timed into it. `behind_serve`: Serve's proxy answers, and it puts an
+    X-Request-Id header on every answer itself (vLLM's `--enable-request-id-headers`, always)."""
     app = FastAPI(title="pagedray", description="OpenAI-compatible LLM serving on Ray")
     for router in ROUTERS:
         app.include_router(router)
@@ -62,8 +64,9 @@ def openai_fastapi_app(
     # answer.
     app.add_middleware(ReplicaCORS, settings_of=lambda: server_of().cors)
     # Outermost: every answer, a CORS preflight's too, carries the header (vLLM's).
-    request_id_headers = lambda: server_of().config.enable_request_id_headers  # noqa: E731
-    app.add_middleware(RequestIdHeaders, enabled_of=request_id_headers)
+    if not behind_serve:
+        request_id_headers = lambda: server_of().config.enable_request_id_headers  # noqa: E731
+        app.add_middleware(RequestIdHeaders, enabled_of=request_id_headers)
     declare_request_models(
         app,
         [

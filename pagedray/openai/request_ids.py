@@ -1,8 +1,10 @@
-"""Request ids a client chooses, as vLLM's server takes them: the `X-Request-Id` header, else
-the body's `request_id` (vLLM's extension of chat and completions), names the answer
+"""Request ids a client chooses, as vLLM's server takes them: the body's `request_id` (vLLM's
+extension of chat and completions), else the `X-Request-Id` header, names the answer
 (`chatcmpl-<id>`, `cmpl-<id>`), so a client or the proxy in front can find a request in the logs
-by an id of its own. With `--enable-request-id-headers`, every answer carries an `X-Request-Id`
-header too: the one its request sent, else a new one.
+by an id of its own. (vLLM reads the header first; behind Serve every request has one, Serve's
+proxy's, so the body's, always the client's own, comes first here.) With
+`--enable-request-id-headers`, every answer carries an `X-Request-Id` header too: the one its
+request sent, else a new one; behind Serve, its proxy sends that header on every answer.
 
 Two requests may send the same id (a retry, a client's bug; Serve's proxy sends its own, unique,
 with every request): the engine's own ids, which must be unique, add a random suffix to a
@@ -35,7 +37,7 @@ def answer_id_and_engine_suffix(
     `own_id`'s prefix (up to its "-"), and a random suffix; else `own_id`, and nothing. Raises
     ValueError for a header id past `MAX_LENGTH` or `PATTERN` (the body's is held to them by its
     schema)."""
-    chosen = headers.get(HEADER) or body_id  # an empty header is none
+    chosen = body_id or headers.get(HEADER) or None  # an empty header is none
     if chosen is None:
         return own_id, ""
     prefix = own_id.split("-", 1)[0] + "-"

@@ -215,6 +215,10 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
                 assert next(line for line in response.iter_lines() if line.startswith("data: "))
         whole = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert whole.json()["usage"]["completion_tokens"] == 4
+        # Serve's proxy gives each request an id and each answer its header, once: the answer
+        # is named by it (vLLM's X-Request-Id).
+        assert len(whole.headers.get_list("x-request-id")) == 1
+        assert whole.json()["id"] == "cmpl-" + whole.headers["x-request-id"]
         replicas = client.get("/stats").json()["replicas"]
         assert [replica["num_threads"] for replica in replicas] == [serving_threads_per_rank(1)]
         quiet = [replica["quiet_num_threads"] for replica in replicas]

@@ -238,6 +238,14 @@ def test_a_client_request_id_names_the_answer_and_the_header_comes_back(
     )
     text = sdk.completions.create(prompt=PROMPT, **short, extra_body={"request_id": "job-7"})
     assert (chat.id, text.id) == ("chatcmpl-trace-1", "cmpl-job-7")
+    # The body's, always the client's own, before a header (behind Serve, its proxy's).
+    both = sdk.completions.create(
+        prompt=PROMPT,
+        **short,
+        extra_body={"request_id": "mine"},
+        extra_headers={"X-Request-Id": "p"},
+    )
+    assert both.id == "cmpl-mine"
     # The same id in four requests at once: each runs to its end.
     same: Any = {"extra_headers": {"X-Request-Id": "dup"}, "extra_body": {"ignore_eos": True}}
     with ThreadPoolExecutor(4) as pool:
