@@ -266,7 +266,7 @@ class EngineConfig(BaseModel):
         'chat_template_kwargs, a JSON object such as {"enable_thinking": false}',
         json_schema_extra=flags(json=True),
     )
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "deepseek_v3", "qwen3"] | None = Field(
         None,
         description="chat answers give the model's thinking (<think>...</think>) as `reasoning`, "
         "apart from the content",

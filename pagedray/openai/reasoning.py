@@ -9,6 +9,9 @@ Two parsers, for the thinking models this server runs:
 - `qwen3`: the same, unless the request turned thinking off (`chat_template_kwargs:
   {"enable_thinking": false}`: then it is all content); a `<tool_call>` also ends the thinking,
   so the tool parser still finds the call.
+- `deepseek_v3` (DeepSeek-V3.1 and later, whose thinking is a mode): `deepseek_r1`'s rules
+  where the request turned thinking on (`chat_template_kwargs: {"thinking": true}`, or
+  `enable_thinking`), else all content, as vLLM's.
 As vLLM, the prompt decides where the output starts: after a prompt whose thinking is closed
 already (a prefill that closed it, Qwen3's template with thinking off) it starts in the content,
 and so does the continuation of a prefill that opened none (Anthropic's prefill, `{` for JSON);
@@ -73,7 +76,11 @@ class ReasoningParser:
             if template_kwargs.get("enable_thinking", True) is False:
                 return None  # all content, as vLLM's
             return cls(starts_inside, (THINK_END, TOOL_CALL_START), shown)
-        if name == "deepseek_r1":
+        if name == "deepseek_v3" and not (
+            template_kwargs.get("thinking") or template_kwargs.get("enable_thinking")
+        ):
+            return None  # thinking is off unless asked for: all content, as vLLM's
+        if name in ("deepseek_r1", "deepseek_v3"):
             return cls(starts_inside, (THINK_END,), shown)
         raise ValueError(f"reasoning_parser: unknown {name!r}")
 

@@ -87,6 +87,7 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--max-logprobs", "-1"], "max_logprobs", -1),
     (["--reasoning-parser", "deepseek_r1"], "reasoning_parser", "deepseek_r1"),
     (["--reasoning-parser", "qwen3"], "reasoning_parser", "qwen3"),
+    (["--reasoning-parser", "deepseek_v3"], "reasoning_parser", "deepseek_v3"),
     (
         ["--default-chat-template-kwargs", '{"enable_thinking": false}'],
         "default_chat_template_kwargs",

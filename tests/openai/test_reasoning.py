@@ -200,6 +200,23 @@ def test_template_kwargs_reach_the_template_and_qwen3_thinking_off(
         EngineConfig(model="m", default_chat_template_kwargs={"messages": []})
 
 
+def test_deepseek_v3_thinks_only_when_asked(tiny_llama: str) -> None:
+    """`deepseek_v3` (vLLM's): the answer is all content unless the request turns thinking on
+    (`thinking` or `enable_thinking`, or a reasoning_effort other than "none"); then R1's
+    rules split it."""
+    assert ReasoningParser.of("deepseek_v3", {}) is None
+    assert ReasoningParser.of("deepseek_v3", {"thinking": True}) == R1
+    http, sdk = _served(tiny_llama, reasoning_parser="deepseek_v3")
+    with http:
+        plain: Any = _ask(sdk, stream=False).choices[0].message
+        thinking: Any = _ask(sdk, stream=False, chat_template_kwargs={"thinking": True})
+        effort: Any = _ask(sdk, stream=False, reasoning_effort="high")
+    assert plain.reasoning is None and plain.content.startswith("<think>")
+    said = thinking.choices[0].message
+    assert f"<think>{said.reasoning}</think>{said.content}" == plain.content
+    assert effort.choices[0].message.reasoning == said.reasoning
+
+
 def test_a_prefill_continues_in_the_thinking_only_if_it_opened_one(tiny_llama: str) -> None:
     """However long the prefill: its own text says whether it opened a thinking."""
     http, sdk = _served(tiny_llama, reasoning_parser="deepseek_r1")
