@@ -20,7 +20,7 @@ from tqdm import tqdm
 from pagedray.engine.config import EngineConfig, validated
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.prompt_validator import as_prompt_list
-from pagedray.engine.thinking_tokens import ThinkingTokens
+from pagedray.engine.thinking_tokens import ThinkingTokens, check_budget
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.request import EngineRequest
 from pagedray.scheduler.request_failure import refusal
@@ -144,12 +144,8 @@ class LLM:
         its prompt closed the thinking: a structured output holds to its grammar after it
         (vLLM's default) and `thinking_token_budget` counts before it. Raises ValueError for a
         budget that cannot be kept (no parser, or no such token)."""
-        thinking = self._thinking_tokens if self.config.reasoning_parser is not None else None
-        if params.thinking_token_budget is not None and thinking is None:
-            raise refusal(
-                "thinking_token_budget",
-                "needs reasoning_parser and a vocabulary where </think> is one token",
-            )
+        thinking = self._thinking_tokens
+        check_budget(thinking, params.thinking_token_budget)
         return None if thinking is None else thinking.thinking_end(prompt_token_ids)
 
     @property

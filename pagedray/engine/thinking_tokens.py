@@ -15,12 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from pagedray.scheduler.request_failure import refusal
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 # Where a turn starts, for the parsers whose prompts are read only back to it: Qwen3's template
 # keeps the thinking of the assistant turns since the last user message (a tool-call loop),
 # and a new turn thinks anew, so vLLM's Qwen3 parser stops at these.
 TURN_BOUNDARIES = {"qwen3": ("<|im_start|>", "<|im_end|>")}
+UNKEPT_BUDGET = "needs a reasoning parser and a vocabulary where </think> is one token"
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,11 @@ class ThinkingTokens:
     boundaries: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, tokenizer: Any, parser: str | None = None) -> ThinkingTokens | None:
-        """The tags' ids, and the turn boundaries of `parser` (`--reasoning-parser`); None where
-        `</think>` is not one token of the vocabulary."""
-        end = single_token_id(tokenizer, THINK_END)
+    def of(cls, tokenizer: Any, parser: str | None) -> ThinkingTokens | None:
+        """The tags' ids, and the turn boundaries of `parser` (`--reasoning-parser`); None
+        without a parser, or where `</think>` is not one token of the vocabulary: then nothing
+        in the engine watches a thinking."""
+        end = single_token_id(tokenizer, THINK_END) if parser is not None else None
         if end is None:
             return None
         boundaries = (single_token_id(tokenizer, b) for b in TURN_BOUNDARIES.get(parser or "", ()))
@@ -56,6 +60,12 @@ class ThinkingTokens:
             if token_id == self.end:
                 return None
         return self.end
+
+
+def check_budget(thinking: ThinkingTokens | None, budget: int | None) -> None:
+    """Refuse a `thinking_token_budget` that cannot be kept: no thinking tokens to watch."""
+    if budget is not None and thinking is None:
+        raise refusal("thinking_token_budget", UNKEPT_BUDGET)
 
 
 def single_token_id(tokenizer: Any, text: str) -> int | None:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.engine_client import EngineClient
 from pagedray.engine.prompt_validator import PromptValidator, ValidatedPrompt
-from pagedray.engine.thinking_tokens import ThinkingTokens
+from pagedray.engine.thinking_tokens import ThinkingTokens, check_budget
 from pagedray.engine.wire import GenerateRequest
 from pagedray.openai.answer_models import ModelCard
 from pagedray.openai.answers import AnswerContext
@@ -41,7 +41,6 @@ from pagedray.openai.serving import (
     logger,
 )
 from pagedray.openai.tool_calls import ToolCallOutput
-from pagedray.scheduler.request_failure import refusal
 from pagedray.scheduler.sampling_params import SamplingParams
 
 # Threads per server that parse bodies and (de)tokenize, off the event loop: a huge prompt then
@@ -49,7 +48,6 @@ from pagedray.scheduler.sampling_params import SamplingParams
 TOKENIZER_THREADS = 4
 # The prompt's last tokens, read for whether its thinking is open (`_reasoning`).
 PROMPT_TAIL_TOKENS = 32
-UNKEPT_BUDGET = "needs a --reasoning-parser and a vocabulary where </think> is one token"
 # Tokens per engine message of a non-streamed request with stop strings: the server finds them,
 # so it needs the tokens before the end, but not one message per token.
 STOP_CHECK_INTERVAL = 8
@@ -211,8 +209,7 @@ class OpenAIServer:
         holds from the first token: output held to JSON then has no thinking, and a regex,
         choice or grammar's starts in the content. Where the output starts is read from the
         prompt's end. Raises ValueError for a budget that cannot be kept."""
-        if params.thinking_token_budget is not None and not self.keeps_thinking_budgets:
-            raise refusal("thinking_token_budget", UNKEPT_BUDGET)
+        check_budget(self._thinking_tokens, params.thinking_token_budget)
         if self.config.reasoning_parser is None:
             return None, None
         constraint = params.structured_outputs
@@ -249,30 +246,29 @@ class OpenAIServer:
         vLLM's engine decides it from the prompt's tokens (engine/thinking_tokens.py): its
         structured output holds after it, its thinking budget counts before it; None without
         a reasoning parser. Raises ValueError for a budget that cannot be kept."""
-        if not self.keeps_thinking_budgets:
-            if params.thinking_token_budget is not None:
-                raise refusal("thinking_token_budget", UNKEPT_BUDGET)
+        thinking = self._thinking_tokens
+        check_budget(thinking, params.thinking_token_budget)
+        if thinking is None:
             return None
         if params.structured_outputs is None and params.thinking_token_budget is None:
             return None  # nothing in the engine reads where the thinking ends
-        thinking = self._thinking_tokens
-        assert thinking is not None
         return [thinking.thinking_end(prompt.token_ids) for prompt in prompts]
 
     @property
     def keeps_thinking_budgets(self) -> bool:
         """A reasoning parser and a vocabulary where `</think>` is one token: the engine can
         end a thinking after a budget."""
-        return self.config.reasoning_parser is not None and self._thinking_tokens is not None
+        return self._thinking_tokens is not None
 
     @property
     def _thinking_start(self) -> int | None:
         """`<think>`'s id for the engine (a leading one is no thinking token), if it has one."""
-        thinking = self._thinking_tokens if self.config.reasoning_parser is not None else None
+        thinking = self._thinking_tokens
         return thinking.start if thinking is not None else None
 
     @functools.cached_property
     def _thinking_tokens(self) -> ThinkingTokens | None:
+        """The thinking tokens the engine watches, for the `--reasoning-parser` (if any)."""
         return ThinkingTokens.of(self.tokenizer, self.config.reasoning_parser)
 
     @functools.cached_property
