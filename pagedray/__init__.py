@@ -5,7 +5,14 @@ from __future__ import annotations
 from pagedray.scheduler.sampling_params import SamplingParams
 from pagedray.scheduler.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+]
 
 
 def __getattr__(name: str):
@@ -14,6 +21,10 @@ def __getattr__(name: str):
         from pagedray.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from pagedray.engine.lora_adapters import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedray.scheduler import outputs
 

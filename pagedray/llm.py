@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from pagedray.engine.config import EngineConfig, validated
+from pagedray.engine.lora_adapters import LoRARequest, add_adapter
 from pagedray.engine.output_processor import OutputProcessor
 from pagedray.engine.prompt_validator import as_prompt_list
 from pagedray.engine.thinking_tokens import ThinkingTokens, check_budget
@@ -86,11 +87,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt dict may carry "cache_salt" to isolate its prefix-cache entries; `priority`
         (lower first) matters when the engine runs with scheduling_policy="priority".
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model), with `enable_lora`.
 
         Raises:
             ValueError: a prompt or parameter is invalid; nothing was queued.
@@ -114,9 +118,10 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(validated)
         if len(priorities) != len(validated):
             raise refusal("priority", f"got {len(priorities)} for {len(validated)} prompts")
+        adapters = self._lora_names(lora_request, len(validated))
         request_ids = [str(next(self._request_counter)) for _ in validated]
-        for request_id, prompt, params, prio, thinking_end in zip(
-            request_ids, validated, params_list, priorities, thinking_ends
+        for request_id, prompt, params, prio, thinking_end, lora_name in zip(
+            request_ids, validated, params_list, priorities, thinking_ends, adapters
         ):
             self.engine.add_request(
                 EngineRequest(
@@ -125,6 +130,7 @@ class LLM:
                     params,
                     priority=prio,
                     cache_salt=prompt.cache_salt,
+                    lora_name=lora_name,
                     thinking_end_token_id=thinking_end,
                     thinking_start_token_id=self._thinking_start,
                 )
@@ -138,6 +144,20 @@ class LLM:
                 self.output_processor.abort(request_id)
             raise
         return [self.output_processor.requests.pop(rid).to_output() for rid in request_ids]
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[str | None]:
+        """Each prompt's adapter name, every adapter added to the engine (checked) first."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * num_prompts
+        else:
+            requests = list(lora_request)
+            if len(requests) != num_prompts:
+                raise refusal("lora_request", f"got {len(requests)} for {num_prompts} prompts")
+        for request in {r for r in requests if r is not None}:
+            add_adapter(self.engine, self.config, request.lora_name, request.lora_path)
+        return [None if r is None else r.lora_name for r in requests]
 
     def _thinking_end(self, prompt_token_ids: list[int], params: SamplingParams) -> int | None:
         """With `reasoning_parser`, the `</think>` an output of this prompt thinks until, unless
@@ -162,6 +182,7 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         conversations: list[list[dict[str, str]]] = (
@@ -171,7 +192,7 @@ class LLM:
             {"prompt_token_ids": self.validator.chat_prompt_token_ids(conversation)}
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def stats(self) -> dict[str, float]:
         """KV pool, prefix cache (in tokens), preemption and batch-size statistics."""

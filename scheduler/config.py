@@ -22,9 +22,18 @@ class SchedulerConfig:
     # Save every full block to the node's host KV tier as it is computed, not only as the pool
     # evicts it (a restarted or migrated-to engine then finds the pool's blocks too).
     kv_offloading_write_through: bool = False
+    # LoRA adapters: requests may name one; `max_loras` of them run in one step (lora_slots.py).
+    enable_lora: bool = False
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "max_model_len",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
         if self.scheduling_policy not in ("fcfs", "priority"):

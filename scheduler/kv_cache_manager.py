@@ -396,7 +396,9 @@ class KVCacheManager:
         """Extend `req`'s stored hashes with its newly full blocks and return them."""
         block_hashes = self.req_to_block_hashes.setdefault(req.req_id, [])
         block_hashes.extend(
-            compute_block_hashes(req.all_token_ids, self.block_size, req.cache_salt, block_hashes)
+            compute_block_hashes(
+                req.all_token_ids, self.block_size, req.cache_salt, block_hashes, req.lora_name
+            )
         )
         return block_hashes
 

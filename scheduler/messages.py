@@ -30,6 +30,16 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table, logical block i -> physical block id
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hit, fork)
+    lora_slot: int | None = None  # the LoRA slot of its adapter (`lora_loads`); None: the base
+
+
+@dataclass
+class LoRALoad:
+    """Load a LoRA adapter (a PEFT folder) into one of every rank's slots before the step."""
+
+    slot: int
+    name: str
+    path: str
 
 
 @dataclass
@@ -80,6 +90,8 @@ class SchedulerOutput:
     # Full blocks this step computes, saved (pool block id, tier slot) after the forward pass:
     # the tier holds what the pool holds, so neither an eviction nor a dead engine loses it.
     computed_blocks_to_save: list[tuple[int, int]] = field(default_factory=list)
+    # Adapters put in a LoRA slot, loaded before the forward pass (scheduler/lora_slots.py).
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
 
 @dataclass

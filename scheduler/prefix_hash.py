@@ -22,6 +22,8 @@ _TAG_NONE = b"n"
 _TAG_STR = b"s"
 _TAG_INT = b"i"
 _TAG_BYTES = b"b"
+# Marks the LoRA adapter's name among a first block's extra keys.
+_LORA_KEY = b"lora"
 
 
 def hash_block_tokens(
@@ -56,18 +58,24 @@ def compute_block_hashes(
     block_size: int,
     cache_salt: str | None,
     existing: list[BlockHash],
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` past the `len(existing)` already hashed.
 
     Incremental: only the new full blocks are hashed, each chained to the one before. The salt
-    enters the first block only; chaining carries it into every later hash.
+    and the LoRA adapter enter the first block only; chaining carries them into every later
+    hash, so an adapter's K/V (which its q/k/v deltas change) is never the base model's.
     """
     num_full_blocks = len(token_ids) // block_size
     parent = existing[-1] if existing else None
     new_hashes: list[BlockHash] = []
+    first_keys: tuple = () if cache_salt is None else (cache_salt,)
+    if lora_name is not None:
+        # Three keys where a salt alone is one: no salt can hash like an adapter.
+        first_keys = (cache_salt, _LORA_KEY, lora_name)
     for block_idx in range(len(existing), num_full_blocks):
         start = block_idx * block_size
-        extra_keys: tuple = (cache_salt,) if block_idx == 0 and cache_salt is not None else ()
+        extra_keys = first_keys if block_idx == 0 else ()
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         new_hashes.append(parent)
     return new_hashes

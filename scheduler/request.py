@@ -46,6 +46,7 @@ class EngineRequest:
     arrival_time: float = 0.0  # seconds, time.time(); 0 = now
     priority: int = 0  # lower runs first under the "priority" policy
     cache_salt: str | None = None  # per-tenant isolation of the prefix cache
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # Its output so far, when it resumes here after another engine lost it (n = 1): computed
     # again as context, never sent again, sampled on from the next position.
     output_token_ids: list[int] = field(default_factory=list)
@@ -71,6 +72,8 @@ class Request:
         self.arrival_time = engine_request.arrival_time or time.time()
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt
+        self.lora_name = engine_request.lora_name
+        self.lora_slot: int | None = None  # its adapter's slot while it runs (LoRASlots)
         self.parent_req_id = parent_req_id  # set on forked children
         self.choice_index = choice_index  # which of the parent's n outputs this is
         self.output_token_ids: list[int] = list(engine_request.output_token_ids)
@@ -164,6 +167,7 @@ class Request:
                 arrival_time=self.arrival_time,
                 priority=self.priority,
                 cache_salt=self.cache_salt,
+                lora_name=self.lora_name,
                 thinking_end_token_id=self.thinking_end_token_id,
                 thinking_start_token_id=self.thinking_start_token_id,
             ),

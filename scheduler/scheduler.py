@@ -18,6 +18,7 @@ from pagedray.scheduler.grammar import GRAMMAR_REJECTED, StructuredOutputManager
 from pagedray.scheduler.host_kv_tier import HostKVTier
 from pagedray.scheduler.kv_cache_manager import Allocation, KVCacheManager
 from pagedray.scheduler.limits import check_request_limits
+from pagedray.scheduler.lora_slots import LoRASlots
 from pagedray.scheduler.messages import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -72,6 +73,8 @@ class Scheduler:
         self.peak_num_running = 0
         self.peak_kv_usage = 0.0
         self.indexed_in_step: list[KVCacheBlock] = []  # blocks the last schedule() indexed
+        # The adapters requests may name and the workers' slots; None: LoRA is off.
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -82,6 +85,10 @@ class Scheduler:
         self.check_limits(req.num_tokens, req.sampling_params.n)
         if req.output_token_ids and req.sampling_params.n != 1:
             raise refusal("n", "only a request of one choice resumes from its output")
+        if req.lora_name is not None and (
+            self.lora_slots is None or not self.lora_slots.knows(req.lora_name)
+        ):
+            raise refusal("model", f"no LoRA adapter {req.lora_name!r} is loaded")
         if req.thinking_left is not None and self.structured is None:
             raise refusal("thinking_token_budget", "this engine was built without a tokenizer")
         constraint = req.sampling_params.structured_outputs
@@ -152,6 +159,8 @@ class Scheduler:
             self._admit_waiting(plan, budget)
 
         plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
+        if self.lora_slots is not None:
+            plan.lora_loads = self.lora_slots.take_loads()
         plan.finished_req_ids = self.worker_view.take_finished()
         computed = self.indexed_in_step if self.config.kv_offloading_write_through else []
         plan.blocks_to_save, plan.computed_blocks_to_save = self.kv_cache_manager.take_saves(
@@ -190,6 +199,9 @@ class Scheduler:
             req_num_seqs = num_seqs(req)
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
+            if not self._lora_fits(req):
+                idx += 1  # its adapter would be one too many this step: others may go
+                continue
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             tier_hits = self.kv_cache_manager.get_tier_hits(req, len(computed_blocks))
             num_hit += tier_hits.num_blocks * self.config.block_size
@@ -200,6 +212,8 @@ class Scheduler:
             if allocation is None:
                 break
             self.waiting.pop(idx)
+            if self.lora_slots is not None and req.lora_name is not None:
+                self.lora_slots.acquire(req)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # first admission (not a preempted one's return)
                 req.num_cached_tokens = num_hit
@@ -209,6 +223,12 @@ class Scheduler:
             self._plan(plan, req, allocation, num_new)
             budget -= num_new
             num_running_seqs += req_num_seqs
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether `req`'s adapter (if any) is in a slot or can take one now."""
+        if req.lora_name is None or self.lora_slots is None:
+            return True
+        return self.lora_slots.can_hold(req.lora_name)
 
     def _plan(
         self, plan: SchedulerOutput, req: Request, allocation: Allocation, num_new: int
@@ -320,6 +340,8 @@ class Scheduler:
         """Split a prefilled n > 1 prompt into n sequences sharing its blocks."""
         children = [parent.fork_child(i) for i in range(len(token_ids))]
         self.kv_cache_manager.fork(parent, children)
+        if self.lora_slots is not None:
+            self.lora_slots.fork(parent, children)
         parent.status = RequestStatus.FINISHED_FORKED
         del self.requests[parent.req_id]
         self.worker_view.forget(parent.req_id)
@@ -364,6 +386,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if self.lora_slots is not None:
+            self.lora_slots.release(req)
         if req.grammar is not None:
             req.grammar.cancel()  # a compile not started yet is dropped
             req.grammar = None
@@ -392,6 +416,8 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         self.worker_view.forget(req.req_id)
+        if self.lora_slots is not None:
+            self.lora_slots.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

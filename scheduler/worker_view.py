@@ -45,6 +45,7 @@ class WorkerView:
                     sampling_params=req.sampling_params,
                     block_ids=self._block_ids_of(req.req_id),
                     num_computed_tokens=req.num_computed_tokens,
+                    lora_slot=req.lora_slot,
                 )
             )
         else:

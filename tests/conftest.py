@@ -63,6 +63,14 @@ def thinking_llama(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) ->
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A seeded rank-8 LoRA adapter of `tiny_llama` over every projection (PEFT's format)."""
+    from pagedray.workers.lora_checkpoint import make_lora_adapter
+
+    return str(make_lora_adapter(tiny_llama, tmp_path_factory.mktemp("lora") / "a", rank=8))
+
+
 @pytest.fixture
 def exact_attention(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The CPU backend's exact rows for this test (`PAGEDRAY_EXACT_ATTENTION=1`, the default),

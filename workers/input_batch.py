@@ -29,6 +29,7 @@ class CachedRequestState:
     num_computed_tokens: int
     # Its allowed_token_ids as an index tensor, made once (the sampler masks with it each step).
     allowed_index: torch.Tensor | None = None
+    lora_slot: int | None = None  # its LoRA adapter's slot; None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +71,7 @@ class InputBatch:
             sampling_params=params,
             num_block_ids=len(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            lora_slot=new.lora_slot,
             allowed_index=(
                 None
                 if params.allowed_token_ids is None

@@ -21,6 +21,7 @@ from pagedray.workers.grammar_mask import apply_grammar_bitmask
 from pagedray.workers.host_kv_buffer import HostKVBuffer
 from pagedray.workers.input_batch import InputBatch
 from pagedray.workers.kept_buffer import KeptBuffer
+from pagedray.workers.lora import WorkerLoRA
 from pagedray.workers.models.llama import LlamaForCausalLM
 from pagedray.workers.sampler import Sampler, SamplingRow, token_logprobs
 
@@ -42,8 +43,10 @@ class ModelRunner:
         device: torch.device,
         host_tier: HostKVBuffer | None = None,
         disk_tier: HostKVBuffer | None = None,
+        lora: WorkerLoRA | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.host_tier = host_tier
         self.disk_tier = disk_tier
         self.kv_cache = kv_cache
@@ -71,6 +74,9 @@ class ModelRunner:
                 self._tier_copy(
                     "disk_tier_load", disk.load, scheduler_output.blocks_to_load_from_disk
                 )
+        if self.lora is not None:
+            for load in scheduler_output.lora_loads:
+                self.lora.load(load)
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             self.attention.copy_blocks(self.kv_cache, list(src), list(dst))
@@ -212,6 +218,9 @@ class ModelRunner:
         token_seq = np.repeat(np.arange(len(req_ids)), num_scheduled)  # [num_tokens]
         positions = np.arange(total) + (num_computed - query_start)[token_seq]  # [num_tokens]
         token_rows = rows[token_seq]
+        if self.lora is not None:
+            slots = np.array([_no_slot(s.lora_slot) for s in states], dtype=np.int64)
+            self.lora.step.set(slots[token_seq], self.device)
         input_ids = self.batch.token_ids[token_rows, positions]
         block_ids = self.batch.block_table[token_rows, positions // self.block_size]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
@@ -268,3 +277,7 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _no_slot(slot: int | None) -> int:
+    return -1 if slot is None else slot

@@ -25,6 +25,7 @@ from pagedray.workers.cpu_threads import (
 from pagedray.workers.host_kv_buffer import HostKVBuffer, open_tier
 from pagedray.workers.layers import cpu_ops, gemm
 from pagedray.workers.layers.gemm import pack_module_weights, projection_work, warm_up
+from pagedray.workers.lora import WorkerLoRA
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.model_runner import ModelRunner
 from pagedray.workers.models.llama import LlamaForCausalLM
@@ -78,6 +79,12 @@ class Worker:
         self.model.to(dtype=self.model_config.dtype)
         load_weights(self.model, config.model)
         self.model.eval()
+        # Before packing: the adapters' stacks take their shapes from the plain weights.
+        self.lora = (
+            WorkerLoRA(self.model, self.model_config, config.max_loras, config.max_lora_rank)
+            if config.enable_lora
+            else None
+        )
         if self.device.type == "cpu":
             pack_module_weights(self.model)
         self.runner: ModelRunner | None = None
@@ -146,6 +153,7 @@ class Worker:
             self.device,
             host_tier=tiers["host"][1] if "host" in tiers else None,
             disk_tier=tiers["disk"][1] if "disk" in tiers else None,
+            lora=self.lora,
         )
         return {name: path for name, (path, _) in tiers.items()}
 

@@ -32,3 +32,7 @@ class WorkerConfig:
     kv_offloading_size: float | None = None
     kv_disk_dir: str | None = None  # the disk tier's directory, below the host's; None: none
     kv_disk_gb: float = 16.0  # its size
+    # LoRA adapters: `max_loras` slots of adapters up to `max_lora_rank` (workers/lora.py).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedray", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_make_model(commands)
+    _add_make_lora(commands)
     _add_generate(commands)
     add_serve_parser(commands)
     add_dashboard_parser(commands)
@@ -45,6 +46,32 @@ def _run_make_model(args: argparse.Namespace) -> int:
     path = make_model(
         args.out, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype
     )
+    print(path)
+    return 0
+
+
+def _add_make_lora(commands: Any) -> None:
+    from pagedray.workers.lora_checkpoint import LORA_TARGETS
+
+    parser = commands.add_parser(
+        "make-lora", help="write a seeded random LoRA adapter (PEFT format) for a model, offline"
+    )
+    parser.add_argument("--model", required=True, help="the base model's directory")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--alpha", type=int, default=16)
+    parser.add_argument("--targets", nargs="+", choices=LORA_TARGETS, default=list(LORA_TARGETS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_run_make_lora)
+
+
+def _run_make_lora(args: argparse.Namespace) -> int:
+    from pagedray.workers.lora_checkpoint import make_lora_adapter
+
+    path = make_lora_adapter(
+        args.model, args.out, rank=args.rank, alpha=args.alpha, targets=args.targets,
+        seed=args.seed,
+    )  # fmt: skip
     print(path)
     return 0
 

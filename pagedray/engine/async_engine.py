@@ -113,6 +113,7 @@ class AsyncEngine:
             request.sampling_params,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
             stream_interval=request.stream_interval,
             sink=sink,
             output_token_ids=request.output_token_ids,
@@ -128,6 +129,7 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
         stream_interval: int | None = 1,
         sink: Sink | None = None,
         output_token_ids: list[int] | None = None,
@@ -161,6 +163,7 @@ class AsyncEngine:
             arrival_time=time.time(),  # now, not when the step in flight ends
             priority=priority,
             cache_salt=cache_salt,
+            lora_name=lora_name,
             output_token_ids=list(output_token_ids or ()),
             thinking_end_token_id=thinking_end_token_id,
             thinking_start_token_id=thinking_start_token_id,

@@ -284,6 +284,17 @@ class EngineConfig(BaseModel):
         json_schema_extra=flags(json=True),
     )
 
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (PEFT folders) beside the base model"
+    )
+    lora_modules: list[str] | None = Field(
+        None,
+        description="the adapters requests may name as `model`: name=path, or vLLM's JSON "
+        '{"name": ..., "path": ...}',
+    )
+    max_loras: int = Field(1, ge=1, description="LoRA adapters in one step (device slots)")
+    max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
+
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _one_name_is_a_list(cls, value: Any) -> Any:
@@ -355,6 +366,50 @@ class EngineConfig(BaseModel):
         if reason is not None:
             raise ValueError(reason)
         return value
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_module_texts(cls, value: Any) -> Any:
+        # vLLM's flag takes name=path or a JSON object; a Serve config or Helm gives objects.
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for item in value:
+            if isinstance(item, str) and item.lstrip().startswith("{"):
+                try:
+                    item = json.loads(item)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{item!r} is not a JSON object") from None
+            if isinstance(item, dict):
+                name, path = item.get("name"), item.get("path")
+                if not isinstance(name, str) or not isinstance(path, str):
+                    raise ValueError(f"{item!r}: an adapter needs a name and a path")
+                item = f"{name}={path}"
+            texts.append(item)
+        return texts
+
+    @model_validator(mode="after")
+    def _lora_adapters(self) -> EngineConfig:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: requires enable_lora")
+        names = set(self.served_names())
+        for name in self.lora_adapters():
+            if name in names:
+                raise ValueError(f"lora_modules: {name!r} is already a model name")
+            names.add(name)
+        return self
+
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> path of each adapter given by `lora_modules`."""
+        adapters = {}
+        for text in self.lora_modules or []:
+            name, equals, path = text.partition("=")
+            if not equals or not name or not path:
+                raise ValueError(f"lora_modules: {text!r} is not name=path")
+            adapters[name] = path
+        return adapters
 
     @model_validator(mode="after")
     def _outputs_logged_with_requests(self) -> EngineConfig:

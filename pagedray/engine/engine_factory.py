@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.executor import UniProcExecutor
+from pagedray.engine.lora_adapters import configured_adapters
 from pagedray.engine.prompt_validator import PromptValidator
 from pagedray.engine.tokenizer_loading import load_tokenizer, make_validator
 from pagedray.scheduler.engine_core import EngineCore
@@ -94,6 +95,7 @@ def build_engine_core(
                 "executor's factory (pagedray.cluster.ray_executor.executor_factory)"
             )
         make_executor = UniProcExecutor
+    adapters = configured_adapters(config)
     executor = make_executor(config.worker_config(max_model_len))
     model_config = ModelConfig.from_pretrained(config.model, config.dtype)
     engine = EngineCore(
@@ -106,4 +108,7 @@ def build_engine_core(
         ),
         host_tier=open_tiers(getattr(executor, "kv_tiers", {})),
     )
+    for name, path in adapters.items():
+        assert engine.scheduler.lora_slots is not None  # lora_modules needs enable_lora
+        engine.scheduler.lora_slots.register(name, path)
     return engine, executor

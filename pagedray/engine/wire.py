@@ -47,6 +47,7 @@ class GenerateRequest:
     # (scheduler/request.py's `EngineRequest`); None: from the first token.
     thinking_end_token_id: int | None = None
     thinking_start_token_id: int | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None

@@ -121,20 +121,36 @@ class OpenAIServer:
         except ValidationError as exc:
             return bad_request(exc)
         requested = getattr(body, "model", None)
-        if requested is not None and requested not in self.config.served_names():
+        if requested is not None and requested not in self.model_names():
             message = f"model: {requested!r} does not exist; this server has {self.model_name!r}"
             return error_response(404, message, "NotFoundError", param="model")
         return body
 
+    def model_names(self) -> list[str]:
+        """What a request may send as `model`: the served names, then the LoRA adapters'."""
+        return [*self.config.served_names(), *self.config.lora_adapters()]
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names; None: the base model."""
+        return model if model is not None and model in self.config.lora_adapters() else None
+
+    def answer_model(self, model: str | None) -> str:
+        """The `model` an answer reports: the adapter's name for an adapter's (vLLM's)."""
+        return self.lora_name(model) or self.model_name
+
     async def model_cards(self, request_id: str) -> list[ModelCard] | Response:
-        """A card per served name (GET /v1/models and /v1/models/{id}), or the 503 while the
-        engines cannot serve."""
+        """A card per served name and LoRA adapter (GET /v1/models and /v1/models/{id}), or the
+        503 while the engines cannot serve."""
         not_ready = await self.not_ready(request_id)
         if not_ready is not None:
             return not_ready
         max_model_len = await self.learn_limits()
-        names = self.config.served_names()
-        return [ModelCard(id=n, root=self.config.model, max_model_len=max_model_len) for n in names]
+        root, names = self.config.model, self.config.served_names()
+        cards = [ModelCard(id=n, root=root, max_model_len=max_model_len) for n in names]
+        return cards + [
+            ModelCard(id=name, root=path, parent=self.model_name, max_model_len=max_model_len)
+            for name, path in self.config.lora_adapters().items()
+        ]
 
     async def start_chat(
         self,
@@ -155,7 +171,7 @@ class OpenAIServer:
             return bad_request(exc)
         ctx = AnswerContext(
             request_id=request_id,
-            model=self.model_name,
+            model=self.answer_model(body.model),
             n=params.n,
             num_prompts=1,
             logprobs=self.logprob_formatter(body),
@@ -186,6 +202,7 @@ class OpenAIServer:
             body.stream,
             [thinking_end],
             engine_suffix,
+            self.lora_name(body.model),
         )
         return streams if isinstance(streams, Response) else (ctx, streams)
 
@@ -288,12 +305,13 @@ class OpenAIServer:
         stream: bool,
         thinking_ends: list[int | None] | None = None,
         engine_suffix: str = "",
+        lora_name: str | None = None,
     ) -> EngineStreams | Response:
         """Submit one engine request per prompt, each with its parameters (`params`, in the
         prompts' order); an error response if any is refused. `thinking_ends`: per prompt, the
         token that ends the thinking its output starts in (a reasoning model's `</think>`;
         None: it does not start thinking); `engine_suffix`: what the engine's ids add to those
-        the log shows (request_ids.py)."""
+        the log shows (request_ids.py); `lora_name`: the LoRA adapter they run with."""
         shown = [
             request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
@@ -307,6 +325,7 @@ class OpenAIServer:
                 self._stream_interval(stream, prompt_params),
                 thinking_end_token_id=thinking_ends[i] if thinking_ends else None,
                 thinking_start_token_id=self._thinking_start,
+                lora_name=lora_name,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]

@@ -1,7 +1,8 @@
 """`pagedray serve` as clients and operators see its API port (issue P6), with direct ingress:
 `/metrics` in Prometheus text without the API key, OpenAI's 404 for an unknown path, vLLM's 400
 for a max_tokens that cannot fit, and logs that hold one access line per request in the ingress,
-no traceback for a stream its client dropped, and no per-call line of the engine at INFO; the
+no traceback for a stream its client dropped, and no per-call line of the engine at INFO; a
+`--lora-modules` adapter answering as a model of its own; the
 engine's torch threads (a core left to the serving path), the scheduling policies of Ray's
 processes and of the model's threads, and the dashboard in Ray's Grafana.
 
@@ -31,6 +32,7 @@ from _subprocesses import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedray import LLM, LoRARequest, SamplingParams
 from pagedray.cli.serve_runtime import (
     CONTROL_LOOP_INTERVAL_ENV,
     LOG_MONITOR_FILES_THRESHOLD_ENV,
@@ -146,6 +148,26 @@ def _check_ingress_runs_without_torch(server: ServeProcess) -> None:
     assert not maps_torch(ingress)
 
 
+def _check_lora_adapter(client: httpx.Client, model: str, adapter: str) -> None:
+    """A `--lora-modules` adapter is a model of the base's, and its chat answers are the
+    offline `LoRARequest`'s tokens: loaded into the engine replica's slot through the plan."""
+    cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+    assert cards["tiny-lora"]["parent"] == "tiny" and cards["tiny-lora"]["root"] == adapter
+    messages = [{"role": "user", "content": "Say something."}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    answers = {
+        name: client.post("/v1/chat/completions", json={**body, "model": name}).json()
+        for name in ("tiny", "tiny-lora")
+    }
+    assert answers["tiny-lora"]["model"] == "tiny-lora"
+    offline = LLM(model, num_kv_blocks=32, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    for name, lora in (("tiny", None), ("tiny-lora", LoRARequest("l", 1, adapter))):
+        (want,) = offline.chat(messages, params, use_tqdm=False, lora_request=lora)
+        assert answers[name]["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    offline.shutdown()
+
+
 SERVE_REPLICA = "ray::ServeReplica"  # the processes allowed to listen beyond loopback
 
 
@@ -179,9 +201,10 @@ def _check_listeners_and_command_lines(server: ServeProcess) -> None:
     assert models["data"][0]["max_model_len"] == 32 * 16  # the pool's, not the model's
 
 
-def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> None:
+def test_api_port_metrics_errors_and_logs(tiny_llama: str, tiny_lora: str, tmp_path: Path) -> None:
     # No --num-threads: the default leaves a core to the serving path (1 thread on 2 cores).
     flags = ["--served-model-name", "tiny", "--num-kv-blocks", "32"]
+    flags += ["--enable-lora", "--lora-modules", f"tiny-lora={tiny_lora}"]  # _check_lora_adapter
     key_file = tmp_path / "api-key"
     key_file.write_text(f"  {KEY}\n")
     # NOTE: pagedray serve writes each access line at once (Serve's throughput mode would buffer
@@ -226,6 +249,7 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tmp_path: Path) -> No
         _check_scheduling_policies(server)
         _check_serve_intervals(server)
         _check_ingress_runs_without_torch(server)
+        _check_lora_adapter(client, tiny_llama, tiny_lora)
         # The dashboard lies where the Grafana of Ray's session loads Ray's own dashboards.
         grafana = (server.ray_tmp / "session_latest" / "metrics" / "grafana").resolve()
         assert (grafana / "dashboards" / DASHBOARD_FILE).read_text() == dashboard_json()

@@ -16,7 +16,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from pagedray import LLM, SamplingParams
+from pagedray import LLM, LoRARequest, SamplingParams
 from pagedray.engine.config import EngineConfig
 from pagedray.openai.ingress_guard import GuardSettings, api_key_digest
 from pagedray.openai.local_app import local_openai_app
@@ -28,9 +28,14 @@ PROMPT = [5, 17, 33, 2, 9, 41, 7]
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama: str) -> Iterator[tuple[TestClient, OpenAIServer]]:
+def served(tiny_llama: str, tiny_lora: str) -> Iterator[tuple[TestClient, OpenAIServer]]:
     config = EngineConfig(
-        model=tiny_llama, num_kv_blocks=64, max_num_seqs=8, served_model_name=["x"]
+        model=tiny_llama,
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        served_model_name=["x"],
+        enable_lora=True,
+        lora_modules=[f"x-lora={tiny_lora}"],
     )
     app = local_openai_app(config, guard=GuardSettings(api_key_digest(KEY)))
     with TestClient(app) as http:  # its lifespan stops the engine at the end
@@ -44,7 +49,7 @@ def sdk(served: tuple[TestClient, OpenAIServer]) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama: str) -> LLM:
-    return LLM(tiny_llama, num_kv_blocks=64, max_num_seqs=8)
+    return LLM(tiny_llama, num_kv_blocks=64, max_num_seqs=8, enable_lora=True)
 
 
 def _all_blocks_free(http: TestClient) -> bool:
@@ -148,8 +153,8 @@ def test_refusals_name_their_field_and_the_server_serves_on(
     assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401  # no key
     assert http.get("/health").json() == {"status": "ok"}  # no key needed
     assert http.get("/metrics").status_code == 503  # Ray's metrics export serves them
-    (card,) = sdk.models.list().data
-    assert card.id == sdk.models.retrieve(card.id).id
+    card, _ = sdk.models.list().data  # the base model, then its LoRA adapter
+    assert card.id == sdk.models.retrieve(card.id).id == "x"
     assert sdk.completions.create(model="x", prompt="hi", max_tokens=2).choices[0].text is not None
     assert _all_blocks_free(http)
 
@@ -466,3 +471,44 @@ def test_a_completion_s_add_special_tokens(tiny_llama: str, tmp_path: Any) -> No
 
         with_bos, without = prompt_ids(), prompt_ids(add_special_tokens=False)
     assert with_bos == [1, *without] and 1 not in without
+
+
+def test_a_lora_adapter_is_a_model_clients_name(
+    served: tuple[TestClient, OpenAIServer], sdk: openai.OpenAI, offline: LLM, tiny_lora: str
+) -> None:
+    """`--lora-modules` adapters are listed as models of their base, answer as themselves,
+    token-exact with the offline `LoRARequest`, streamed as whole, beside the base model."""
+    cards = {card.id: card for card in sdk.models.list().data}
+    assert set(cards) == {"x", "x-lora"}
+    assert cards["x-lora"].model_dump()["parent"] == "x"
+    assert cards["x-lora"].model_dump()["root"] == tiny_lora
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [{"prompt_token_ids": PROMPT}] * 2
+    base, adapted = offline.generate(
+        requests, params, use_tqdm=False, lora_request=[None, LoRARequest("l", 1, tiny_lora)]
+    )
+    assert base.outputs[0].token_ids != adapted.outputs[0].token_ids
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    with ThreadPoolExecutor(2) as pool:  # in one batch where they overlap
+        answers = list(
+            pool.map(
+                lambda model: sdk.completions.create(
+                    model=model, prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body=extra
+                ),
+                ["x", "x-lora"],
+            )
+        )
+    assert [a.model for a in answers] == ["x", "x-lora"]
+    got = [a.choices[0].model_dump()["token_ids"] for a in answers]
+    assert got == [base.outputs[0].token_ids, adapted.outputs[0].token_ids]
+    messages: Any = [{"role": "user", "content": "Say something."}]
+    chat = {"messages": messages, "max_tokens": 6, "temperature": 0}
+    whole = sdk.chat.completions.create(model="x-lora", **chat)
+    chunks = list(sdk.chat.completions.create(model="x-lora", stream=True, **chat))
+    assert whole.model == "x-lora" and all(chunk.model == "x-lora" for chunk in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert text != sdk.chat.completions.create(model="x", **chat).choices[0].message.content
+    with pytest.raises(openai.NotFoundError, match="'x-other' does not exist"):
+        sdk.chat.completions.create(model="x-other", **chat)
+    assert _all_blocks_free(served[0])

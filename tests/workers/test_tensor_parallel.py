@@ -1,5 +1,6 @@
 """TP=2 over gloo must reproduce TP=1 logits: sharded loading, KV-head split and replication,
-vocabulary padding and the all-reduce/all-gather placement are all exercised.
+vocabulary padding and the all-reduce/all-gather placement are all exercised, without and with
+a LoRA adapter on one of the two sequences (its shards, and its delta beside the base rows).
 
 Two processes are spawned once for every case; rank 0 also runs the TP=1 model in-process and
 compares, so no tensors travel back to the test process.
@@ -10,9 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 import transformers
+
+from pagedray.workers.lora_checkpoint import make_lora_adapter
 
 BLOCK_SIZE = 16
 BLOCK_TABLES = [[5, 1, 9], [2, 7, 0]]
@@ -70,9 +74,12 @@ def _step_inputs(vocab_size: int):
     return steps
 
 
-def _run(path: Path, tp) -> list[torch.Tensor]:
-    """Logits of every token of every step, for the model sharded over `tp`."""
+def _run(path: Path, tp, adapter: str | None = None) -> list[torch.Tensor]:
+    """Logits of every token of every step, for the model sharded over `tp`; with `adapter`,
+    the first sequence runs with it (a LoRA slot), the second without."""
     from pagedray.attention.backend import TORCH_BACKEND
+    from pagedray.scheduler.messages import LoRALoad
+    from pagedray.workers.lora import WorkerLoRA
     from pagedray.workers.model_config import ModelConfig
     from pagedray.workers.models.llama import LlamaForCausalLM
     from pagedray.workers.weight_loader import load_weights
@@ -80,9 +87,18 @@ def _run(path: Path, tp) -> list[torch.Tensor]:
     config = ModelConfig.from_pretrained(path, dtype="float32")
     model = LlamaForCausalLM(config, tp, TORCH_BACKEND)
     load_weights(model, path)
+    lora = None
+    if adapter is not None:
+        lora = WorkerLoRA(model, config, max_loras=2, max_rank=8)
+        lora.load(LoRALoad(1, "a", adapter))
     kv_cache = torch.zeros(model.kv_cache_shape(10, BLOCK_SIZE))
     logits = []
     for input_ids, positions, metadata in _step_inputs(config.vocab_size):
+        if lora is not None:
+            first_seq_tokens = metadata.query_start_loc_cpu[1]
+            slots = np.full(len(input_ids), -1)
+            slots[:first_seq_tokens] = 1
+            lora.step.set(slots, input_ids.device)
         hidden = model(input_ids, positions, kv_cache, metadata)
         logits.append(model.compute_logits(hidden))
     return logits
@@ -97,16 +113,17 @@ def _worker(rank: int, world_size: int, init_method: str, paths: list[str]) -> N
     # one would leave rank 1 waiting in a collective rank 0 never joins.
     mismatches: list[str] = []
     for path in paths:
-        sharded = _run(Path(path), tp)
-        if rank != 0:
-            continue
-        single = _run(Path(path), parallel_state.TensorParallelGroup(0, 1))
-        for step, (got, want) in enumerate(zip(sharded, single)):
-            try:
-                assert got.shape == want.shape, (got.shape, want.shape)
-                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-            except AssertionError as error:
-                mismatches.append(f"{path} step {step}: {error}")
+        for adapter in (None, f"{path}-lora"):
+            sharded = _run(Path(path), tp, adapter)
+            if rank != 0:
+                continue
+            single = _run(Path(path), parallel_state.TensorParallelGroup(0, 1), adapter)
+            for step, (got, want) in enumerate(zip(sharded, single)):
+                try:
+                    assert got.shape == want.shape, (got.shape, want.shape)
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+                except AssertionError as error:
+                    mismatches.append(f"{path} (adapter {adapter}) step {step}: {error}")
     # NOTE: both ranks leave together: gloo aborts a rank whose peer tears the group down while
     # it is still finishing (rank 0 also runs the TP=1 model after each case).
     torch.distributed.barrier()
@@ -136,6 +153,9 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
         # Small shards, so a rank's slices come from several files.
         model.save_pretrained(tmp_path / name, max_shard_size="60KB")
         paths.append(str(tmp_path / name))
+        # A LoRA adapter over every projection: B's rows split as the column-parallel weights',
+        # A's columns as the row-parallel ones', its partial delta in their all-reduce.
+        make_lora_adapter(tmp_path / name, tmp_path / f"{name}-lora", rank=8, seed=1)
     # A file rendezvous: a port picked free here could be taken by another process before the
     # ranks bind it (seen beside the Ray tests).
     init_method = f"file://{tmp_path / 'rendezvous'}"

@@ -8,6 +8,7 @@ Attention and MLP blocks pair them (column then row), so each block costs exactl
 from __future__ import annotations
 
 import abc
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -15,6 +16,12 @@ from torch import nn
 from pagedray.workers.layers.gemm import linear
 from pagedray.workers.parallel_state import TensorParallelGroup
 from pagedray.workers.weight_loader import WeightSource, copy_weight, full_weight, narrow_weight
+
+
+class ProjectionDelta(Protocol):
+    """What a projection adds to its output per token (LoRA adapters: workers/lora.py)."""
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -44,6 +51,8 @@ class LinearBase(nn.Module, abc.ABC):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # The LoRA adapters' deltas, where the engine serves adapters (workers/lora.py).
+        self.lora: ProjectionDelta | None = None
 
     @abc.abstractmethod
     def weight_loader(
@@ -52,7 +61,10 @@ class LinearBase(nn.Module, abc.ABC):
         """Copy this rank's part of a checkpoint tensor into `param`: each layer knows its split."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -189,6 +201,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return super().forward(x)
+        partial = linear(x, self.weight, None, self.packed_weight)
+        if self.lora is not None:  # this rank's share of x A^T, times B: summed with the rest
+            self.lora.add_to(x, partial)
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias

@@ -45,7 +45,7 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
         return bad_request(exc)
     ctx = AnswerContext(
         request_id=answer_id,
-        model=server.model_name,
+        model=server.answer_model(body.model),
         n=body.n,
         num_prompts=len(prompts),
         logprobs=server.logprob_formatter(body),
@@ -60,7 +60,14 @@ async def completions(raw: Request, server: OpenAIServer = Depends(openai_server
     except ValueError as exc:
         return bad_request(exc)
     streams = await server.open(
-        answer_id, prompts, params, body.priority, body.stream, thinking_ends, suffix
+        answer_id,
+        prompts,
+        params,
+        body.priority,
+        body.stream,
+        thinking_ends,
+        suffix,
+        server.lora_name(body.model),
     )
     if isinstance(streams, Response):
         return streams

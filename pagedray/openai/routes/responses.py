@@ -64,7 +64,7 @@ async def create_response(raw: Request, server: OpenAIServer = Depends(openai_se
     room = server.validator.max_model_len - ctx.num_prompt_tokens
     update["max_output_tokens"] = limit if limit is not None else room
     body = body.model_copy(update=update)
-    job = ResponseJob(response_id, body, chat_body, server.model_name)
+    job = ResponseJob(response_id, body, chat_body, ctx.model)
     save = server.save if body.store else None
     if body.stream:
         events = response_events(job, *started, save)

@@ -1,0 +1,53 @@
+"""Adapters an engine serves: checked against the model where they are named, then known to
+the scheduler, which loads them into the ranks' slots as requests need them.
+
+`LoRARequest` is vLLM's offline spelling (`LLM.generate(..., lora_request=...)`); a server
+names its adapters with `--lora-modules` and requests pick one by `model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedray.engine.config import EngineConfig
+from pagedray.scheduler.engine_core import EngineCore
+from pagedray.workers.lora_checkpoint import read_adapter
+from pagedray.workers.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for offline requests, as vLLM's: its name, an id, its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+def add_adapter(core: EngineCore, config: EngineConfig, name: str, path: str) -> None:
+    """Let requests name the adapter at `path` as `name`.
+
+    Raises:
+        ValueError: LoRA is off in `config`, the adapter does not fit the model (its rank,
+            shapes or format), or `name` is taken by another path.
+    """
+    slots = core.scheduler.lora_slots
+    if slots is None:
+        raise ValueError("lora_request: this engine was built without enable_lora")
+    if slots.paths.get(name) == path:
+        return  # known already: checked when it was added
+    model = ModelConfig.from_pretrained(config.model, config.dtype)
+    adapter = read_adapter(name, path, model, config.max_lora_rank)
+    slots.register(name, adapter.path)
+
+
+def configured_adapters(config: EngineConfig) -> dict[str, str]:
+    """name -> folder of each adapter `--lora-modules` names, checked against the model (before
+    any rank starts, so a misnamed folder fails the engine at once, with its reason)."""
+    if not config.lora_modules:
+        return {}
+    model = ModelConfig.from_pretrained(config.model, config.dtype)
+    return {
+        name: read_adapter(name, path, model, config.max_lora_rank).path
+        for name, path in config.lora_adapters().items()
+    }
