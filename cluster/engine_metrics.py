@@ -37,6 +37,7 @@ _CUMULATIVE_STATS = (
     "disk_tier_load_seconds",
     "num_kv_exported_blocks",
     "num_kv_imported_blocks",
+    "num_lora_loads",
 )
 # `Scheduler.stats()` keys of the prompt tokens counted by source (a tagged counter).
 _SOURCE_STATS = tuple(f"prompt_tokens_{source}" for source in PROMPT_TOKEN_SOURCES)
@@ -133,6 +134,12 @@ class EngineMetrics:
             "pagedray_host_tier_blocks",
             "KV blocks held in the node's host tier (by every engine of the model on the node).",
         )
+        self.num_lora_adapters_running = gauge(
+            "pagedray_lora_adapters_running", "LoRA adapters the running sequences use."
+        )
+        self.num_lora_loads = counter(
+            "pagedray_lora_loads", "LoRA adapters loaded into a slot of the ranks (--max-loras)."
+        )
         self.num_preemptions = counter(
             "pagedray_num_preemptions", "Sequences preempted (blocks freed, recomputed later)."
         )
@@ -214,6 +221,7 @@ class EngineMetrics:
         self.kv_cache_usage_perc.set(stats["kv_usage"])
         self.host_tier_blocks.set(stats.get("host_tier_num_blocks", 0))
         self.disk_tier_blocks.set(stats.get("disk_tier_num_blocks", 0))
+        self.num_lora_adapters_running.set(stats.get("num_lora_adapters_running", 0))
         for key in _CUMULATIVE_STATS:
             delta = self._delta(stats, key)
             if delta > 0:  # Counter.inc refuses 0

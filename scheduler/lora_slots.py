@@ -102,6 +102,14 @@ class LoRASlots:
     def running_adapters(self) -> list[str]:
         return sorted(name for name, users in self._users.items() if users)
 
+    def stats(self) -> dict[str, float]:
+        """Adapters running now, and adapters put in a slot so far (a count that climbs with
+        each request says `--max-loras` is too small for the adapters in use)."""
+        return {
+            "num_lora_adapters_running": len(self.running_adapters()),
+            "num_lora_loads": self.num_loads,
+        }
+
     def _evict(self, name: str) -> None:
         slot = self._slot_of.pop(name, None)
         if slot is None:

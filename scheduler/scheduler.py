@@ -440,6 +440,7 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "peak_num_running": self.peak_num_running,
             "peak_kv_usage": self.peak_kv_usage,
+            **(self.lora_slots.stats() if self.lora_slots is not None else {}),
         }
 
 

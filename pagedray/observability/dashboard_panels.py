@@ -191,6 +191,19 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "LoRA adapters",
+        "short",
+        "Adapters the running sequences use, and adapters loaded into a slot per second (a "
+        "steady rate of loads: --max-loras is below the adapters in use).",
+        [
+            (
+                _sum_by_model(f"ray_pagedray_lora_adapters_running{SELECTOR}"),
+                "running {{model_name}}",
+            ),
+            (_sum_by_model(_rate("ray_pagedray_lora_loads_total")), "loads/s {{model_name}}"),
+        ],
+    ),
+    (
         "Finished requests",
         "reqps",
         "Requests finished per second, by finish reason.",

@@ -23,6 +23,7 @@ GAUGES = (
     "ray_pagedray_kv_cache_usage_perc",  # fraction of KV blocks in use, 0..1
     "ray_pagedray_host_tier_blocks",  # blocks in the node's host KV tier
     "ray_pagedray_disk_tier_blocks",  # blocks in the node's disk KV tier
+    "ray_pagedray_lora_adapters_running",  # LoRA adapters of the running sequences
 )
 COUNTERS = (
     "ray_pagedray_prefix_cache_queries_total",  # tokens looked up
@@ -39,6 +40,7 @@ COUNTERS = (
     "ray_pagedray_kv_exported_blocks_total",  # pulled from this engine by another
     "ray_pagedray_kv_imported_blocks_total",  # pulled from another node into this one's tier
     "ray_pagedray_num_preemptions_total",
+    "ray_pagedray_lora_loads_total",  # adapters loaded into a slot (--max-loras)
     "ray_pagedray_prompt_tokens_total",
     "ray_pagedray_prompt_tokens_by_source_total",  # tag source (vLLM's three)
     "ray_pagedray_generation_tokens_total",

@@ -392,6 +392,8 @@ STABLE_PROMETHEUS_NAMES = (
     "ray_pagedray_prefix_cache_queries_total",
     "ray_pagedray_prefix_cache_hits_total",
     "ray_pagedray_num_preemptions_total",
+    "ray_pagedray_lora_adapters_running",
+    "ray_pagedray_lora_loads_total",
     "ray_pagedray_external_prefix_cache_queries_total",
     "ray_pagedray_external_prefix_cache_hits_total",
     "ray_pagedray_host_tier_saved_blocks_total",

@@ -90,7 +90,7 @@ def test_every_metric_is_on_the_dashboard() -> None:
 
 
 def test_metric_names_follow_ray_prometheus_naming() -> None:
-    assert len(set(METRIC_NAMES)) == len(METRIC_NAMES) == 38
+    assert len(set(METRIC_NAMES)) == len(METRIC_NAMES) == 40
     assert all(name.startswith("ray_pagedray_") for name in METRIC_NAMES)
     assert all(name.endswith("_total") for name in COUNTERS)
     assert not any(name.endswith(("_total", *HISTOGRAM_SUFFIXES)) for name in GAUGES + HISTOGRAMS)

@@ -160,6 +160,8 @@ def _check_lora_adapter(client: httpx.Client, model: str, adapter: str) -> None:
         for name in ("tiny", "tiny-lora")
     }
     assert answers["tiny-lora"]["model"] == "tiny-lora"
+    (replica,) = client.get("/stats").json()["replicas"]
+    assert replica["num_lora_loads"] == 1 and replica["num_lora_adapters_running"] == 0
     offline = LLM(model, num_kv_blocks=32, enable_lora=True)
     params = SamplingParams(temperature=0, max_tokens=6)
     for name, lora in (("tiny", None), ("tiny-lora", LoRARequest("l", 1, adapter))):
