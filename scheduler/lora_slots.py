@@ -11,6 +11,7 @@ bounds a batch, and an adapter that running sequences use is never overwritten.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pagedray.scheduler.messages import LoRALoad
 from pagedray.scheduler.request import Request
@@ -28,6 +29,9 @@ class LoRASlots:
         self._free = list(range(max_loras - 1, -1, -1))
         self._loads: list[LoRALoad] = []
         self.num_loads = 0  # adapters put in a slot, all steps
+        # Finds (and checks) the folder of an adapter a request names that is not registered;
+        # raises ValueError when there is none. None: only registered names run.
+        self.resolver: Callable[[str], str] | None = None
 
     def register(self, name: str, path: str) -> None:
         """Let requests name `name` (again with the same path: nothing changes).
@@ -48,6 +52,10 @@ class LoRASlots:
         return True
 
     def knows(self, name: str) -> bool:
+        """Whether requests may name `name`: registered, or found by the resolver (which
+        registers it; ValueError: it found no adapter of that name)."""
+        if name not in self.paths and self.resolver is not None:
+            self.register(name, self.resolver(name))
         return name in self.paths
 
     def can_hold(self, name: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -26,10 +27,14 @@ from pagedray.workers.worker_config import WorkerConfig
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's other names for two of them.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# A name that `lora_resolver_dir` may resolve: one plain folder name.
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 SliceT = TypeVar("SliceT")
+# vLLM's folder of adapters that requests may name (its filesystem LoRA resolver).
+LORA_RESOLVER_ENV = "VLLM_LORA_RESOLVER_CACHE_DIR"
 
 
 def human_readable_int(value: Any) -> Any:
@@ -292,6 +297,12 @@ class EngineConfig(BaseModel):
         description="the adapters requests may name as `model`: name=path, or vLLM's JSON "
         '{"name": ..., "path": ...}',
     )
+    lora_resolver_dir: str | None = Field(
+        None,
+        description="a folder of adapter folders: a request whose `model` names one of them "
+        "runs with it, loaded when first named (vLLM's VLLM_LORA_RESOLVER_CACHE_DIR, read "
+        "when this is unset)",
+    )
     max_loras: int = Field(1, ge=1, description="LoRA adapters in one step (device slots)")
     max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
 
@@ -390,16 +401,35 @@ class EngineConfig(BaseModel):
             texts.append(item)
         return texts
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_lora_resolver_dir(cls, values: Any) -> Any:
+        # vLLM's filesystem resolver reads its folder from the environment.
+        folder = os.environ.get(LORA_RESOLVER_ENV)
+        unset = isinstance(values, dict) and values.get("lora_resolver_dir") is None
+        if unset and folder and values.get("enable_lora"):
+            values = {**values, "lora_resolver_dir": folder}
+        return values
+
     @model_validator(mode="after")
     def _lora_adapters(self) -> EngineConfig:
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules: requires enable_lora")
+        for name in ("lora_modules", "lora_resolver_dir"):
+            if getattr(self, name) and not self.enable_lora:
+                raise ValueError(f"{name}: requires enable_lora")
         names = set(self.served_names())
         for name in self.lora_adapters():
             if name in names:
                 raise ValueError(f"lora_modules: {name!r} is already a model name")
             names.add(name)
         return self
+
+    def resolvable_lora(self, name: str) -> str | None:
+        """The folder of `lora_resolver_dir` that `name` names, if it holds an adapter; None
+        for any other name (one that could leave the folder is no adapter's)."""
+        if self.lora_resolver_dir is None or not _ADAPTER_NAME.fullmatch(name) or ".." in name:
+            return None
+        folder = Path(self.lora_resolver_dir).expanduser() / name
+        return str(folder) if (folder / "adapter_config.json").is_file() else None
 
     def lora_adapters(self) -> dict[str, str]:
         """name -> path of each adapter given by `lora_modules`."""

@@ -2,15 +2,18 @@
 the scheduler, which loads them into the ranks' slots as requests need them.
 
 `LoRARequest` is vLLM's offline spelling (`LLM.generate(..., lora_request=...)`); a server
-names its adapters with `--lora-modules` and requests pick one by `model`.
+names its adapters with `--lora-modules`, or a folder of them (`--lora-resolver-dir`), and
+requests pick one by `model`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedray.engine.config import EngineConfig
 from pagedray.scheduler.engine_core import EngineCore
+from pagedray.scheduler.request_failure import refusal
 from pagedray.workers.lora_checkpoint import read_adapter
 from pagedray.workers.model_config import ModelConfig
 
@@ -39,6 +42,23 @@ def add_adapter(core: EngineCore, config: EngineConfig, name: str, path: str) ->
     model = ModelConfig.from_pretrained(config.model, config.dtype)
     adapter = read_adapter(name, path, model, config.max_lora_rank)
     slots.register(name, adapter.path)
+
+
+def resolver(config: EngineConfig) -> Callable[[str], str] | None:
+    """With `lora_resolver_dir`: the check of an adapter a request names that the engine does
+    not know yet (its folder there, checked against the model; ValueError if it cannot be
+    used), as vLLM's filesystem resolver; None without one."""
+    if config.lora_resolver_dir is None:
+        return None
+    model = ModelConfig.from_pretrained(config.model, config.dtype)
+
+    def resolve(name: str) -> str:
+        path = config.resolvable_lora(name)
+        if path is None:
+            raise refusal("model", f"{name!r} does not exist")
+        return read_adapter(name, path, model, config.max_lora_rank).path
+
+    return resolve
 
 
 def configured_adapters(config: EngineConfig) -> dict[str, str]:

@@ -121,18 +121,22 @@ class OpenAIServer:
         except ValidationError as exc:
             return bad_request(exc)
         requested = getattr(body, "model", None)
-        if requested is not None and requested not in self.model_names():
+        if requested is not None and not self.serves(requested):
             message = f"model: {requested!r} does not exist; this server has {self.model_name!r}"
             return error_response(404, message, "NotFoundError", param="model")
         return body
 
-    def model_names(self) -> list[str]:
-        """What a request may send as `model`: the served names, then the LoRA adapters'."""
-        return [*self.config.served_names(), *self.config.lora_adapters()]
+    def serves(self, model: str) -> bool:
+        """Whether a request may send `model`: a served name or a LoRA adapter's."""
+        return model in self.config.served_names() or self.lora_name(model) is not None
 
     def lora_name(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names; None: the base model."""
-        return model if model is not None and model in self.config.lora_adapters() else None
+        """The LoRA adapter a request's `model` names (`--lora-modules`, or a folder of
+        `--lora-resolver-dir`); None: the base model."""
+        if model is None or model in self.config.served_names():
+            return None
+        known = model in self.config.lora_adapters()
+        return model if known or self.config.resolvable_lora(model) is not None else None
 
     def answer_model(self, model: str | None) -> str:
         """The `model` an answer reports: the adapter's name for an adapter's (vLLM's)."""

@@ -6,6 +6,7 @@ the app's arguments and the engine's config as vLLM means them: `--dtype half`,
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,7 +104,38 @@ SPELLINGS: list[tuple[list[str], str, Any]] = [
     (["--allowed-headers", '["Authorization"]'], "allowed_headers", ["Authorization"]),
     (["--allow-credentials"], "allow_credentials", True),
     (["--no-allow-credentials"], "allow_credentials", False),
+    (["--enable-lora"], "enable_lora", True),
+    (["--enable-lora", "--max-loras", "4"], "max_loras", 4),
+    (["--enable-lora", "--max-lora-rank", "64"], "max_lora_rank", 64),
+    (
+        ["--enable-lora", "--lora-modules", "sql=/lora/sql", '{"name": "chat", "path": "/lora/c"}'],
+        "lora_modules",
+        ["sql=/lora/sql", "chat=/lora/c"],
+    ),
 ]
+
+
+def test_lora_settings_as_vllm_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = validated(
+        EngineConfig,
+        {"model": MODEL, "enable_lora": True, "lora_modules": [{"name": "a", "path": "/l/a"}]},
+    )
+    assert config.lora_adapters() == {"a": "/l/a"} and config.lora_resolver_dir is None
+    # vLLM's filesystem resolver's folder, from its environment variable, with LoRA on only.
+    monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", "/loras")
+    assert validated(EngineConfig, {"model": MODEL, "enable_lora": True}).lora_resolver_dir == (
+        "/loras"
+    )
+    assert validated(EngineConfig, {"model": MODEL}).lora_resolver_dir is None
+    refusals = [
+        ({"lora_modules": ["a=/l/a"]}, "lora_modules: requires enable_lora"),
+        ({"enable_lora": True, "lora_modules": ["a"]}, "lora_modules: 'a' is not name=path"),
+        ({"enable_lora": True, "lora_modules": [f"{Path(MODEL).name}=/l"]}, "already a model"),
+        ({"enable_lora": True, "lora_modules": ['{"name": 1}']}, "needs a name and a path"),
+    ]
+    for values, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            validated(EngineConfig, {"model": MODEL, **values})
 
 
 def _serve(argv: list[str]) -> argparse.Namespace:

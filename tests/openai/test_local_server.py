@@ -10,6 +10,7 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Iterator
 
 import openai
@@ -36,6 +37,7 @@ def served(tiny_llama: str, tiny_lora: str) -> Iterator[tuple[TestClient, OpenAI
         served_model_name=["x"],
         enable_lora=True,
         lora_modules=[f"x-lora={tiny_lora}"],
+        lora_resolver_dir=str(Path(tiny_lora).parent),  # it holds the adapter as "a"
     )
     app = local_openai_app(config, guard=GuardSettings(api_key_digest(KEY)))
     with TestClient(app) as http:  # its lifespan stops the engine at the end
@@ -511,4 +513,16 @@ def test_a_lora_adapter_is_a_model_clients_name(
     assert text != sdk.chat.completions.create(model="x", **chat).choices[0].message.content
     with pytest.raises(openai.NotFoundError, match="'x-other' does not exist"):
         sdk.chat.completions.create(model="x-other", **chat)
+    # A folder of --lora-resolver-dir is an adapter a request may name, loaded when first
+    # named (vLLM's filesystem resolver); no name reaches outside the folder.
+    resolved = sdk.chat.completions.create(model="a", **chat)
+    assert resolved.model == "a" and resolved.choices[0].message.content == text
+    for outside in ("../a", "a/..", ".", "/a"):
+        with pytest.raises(openai.NotFoundError):
+            sdk.chat.completions.create(model=outside, **chat)
+    broken = Path(tiny_lora).parent / "broken"  # a config without its weights
+    broken.mkdir(exist_ok=True)
+    shutil.copy(Path(tiny_lora) / "adapter_config.json", broken)
+    with pytest.raises(openai.BadRequestError, match="no adapter_model.safetensors"):
+        sdk.chat.completions.create(model="broken", **chat)
     assert _all_blocks_free(served[0])
