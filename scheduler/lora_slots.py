@@ -102,6 +102,13 @@ class LoRASlots:
             else:  # unregistered while in use
                 self._evict(name)
 
+    def empty(self, slot: int) -> None:
+        """The ranks could not load `slot`: no sequence holds it any more (they were ended);
+        its adapter is out of the slots."""
+        name = next((n for n, s in self._slot_of.items() if s == slot), None)
+        if name is not None:
+            self._evict(name)
+
     def take_loads(self) -> list[LoRALoad]:
         """The slots this step fills, once: the next plan carries them."""
         loads, self._loads = self._loads, []

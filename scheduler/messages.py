@@ -110,6 +110,9 @@ class ModelRunnerOutput:
     # Seconds this rank copied blocks between its pool and the tiers, by copy (`TIER_COPIES`);
     # only the copies the step had.
     tier_copy_seconds: dict[str, float] = field(default_factory=dict)
+    # LoRA slots the plan loaded that some rank could not fill (the adapter's file gone or
+    # unreadable there): the scheduler ends every sequence that holds one, and empties it.
+    lora_load_failures: list[int] = field(default_factory=list)
 
 
 # The copies between a rank's pool and the tiers: evicted or computed blocks saved to the host

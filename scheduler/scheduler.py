@@ -265,6 +265,7 @@ class Scheduler:
             if req is not None and not req.is_finished:
                 req.store_prompt_logprobs(first_position, entries)
         outputs.extend(self._fail(runner_output.failed))
+        outputs.extend(self._fail_lora_slots(runner_output.lora_load_failures))
         for req_id, token_ids, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
         ):
@@ -285,6 +286,21 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # aborted meanwhile, or a sibling's failure already ended it
             outputs.append(self._end_with_error(req, error))
+        return outputs
+
+    def _fail_lora_slots(self, slots: list[int]) -> list[EngineCoreOutput]:
+        """End every sequence that runs with an adapter the ranks could not load, and empty
+        its slot (the next request naming the adapter loads it again)."""
+        if not slots or self.lora_slots is None:
+            return []
+        outputs = []
+        for req in [r for r in self.running if r.lora_slot in slots]:
+            if not req.is_finished:
+                message = f"the LoRA adapter {req.lora_name!r} could not be loaded"
+                failure = RequestFailure(FailureKind.INTERNAL, message)
+                outputs.append(self._end_with_error(req, failure))
+        for slot in slots:
+            self.lora_slots.empty(slot)
         return outputs
 
     def _end_with_error(self, req: Request, error: RequestError) -> EngineCoreOutput:

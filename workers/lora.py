@@ -15,6 +15,7 @@ of the base model get no delta, and a step of base tokens alone costs nothing.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,9 @@ from pagedray.workers.layers.linear import (
 )
 from pagedray.workers.lora_checkpoint import ADAPTER_WEIGHTS, read_adapter, tensor_module
 from pagedray.workers.model_config import ModelConfig
+from pagedray.workers.parallel_state import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
 
 _QKV_PARTS = {"q": 0, "k": 1, "v": 2}
 
@@ -112,6 +116,8 @@ class WorkerLoRA:
     ) -> None:
         self.model_config = model_config
         self.max_rank = max_rank
+        self.tp: TensorParallelGroup = model.tp  # type: ignore[assignment]
+        self.device = next(model.parameters()).device
         self.step = LoRAStep()
         # Checkpoint projection -> (its stack, the fused parameter's shard id, part index).
         self._targets: dict[str, tuple[LoRAStack, Any, int]] = {}
@@ -131,6 +137,36 @@ class WorkerLoRA:
                 part = _part_index(module, shard_id)
                 self._targets[f"{prefix}.{hf_name}"] = (stack, shard_id, part)
 
+    def load_all(self, loads: list[LoRALoad]) -> dict[int, str]:
+        """The plan's loads, in order; the slots left empty because a load failed on some rank,
+        by slot: the adapter's name. A file that cannot be read fails the requests of that
+        adapter, not the engine (it was checked when named; it may since be gone, or absent
+        from another node). Collective at TP > 1: every rank reads the same answer."""
+        ok = []
+        for load in loads:
+            try:
+                self.load(load)
+                ok.append(1)
+            except Exception:  # noqa: BLE001 - one adapter's file is its requests' failure
+                logger.exception("LoRA adapter %r (%s) could not be loaded", load.name, load.path)
+                self._clear(load.slot)
+                ok.append(0)
+        if self.tp.world_size > 1:
+            agreed = self.tp.all_reduce(torch.tensor(ok, dtype=torch.int32, device=self.device))
+            ok = [int(count == self.tp.world_size) for count in agreed.tolist()]
+        failed: dict[int, str] = {}
+        for load, loaded in zip(loads, ok):  # a slot's last load decides it
+            if loaded:
+                failed.pop(load.slot, None)
+            else:
+                self._clear(load.slot)
+                failed[load.slot] = load.name
+        return failed
+
+    def _clear(self, slot: int) -> None:
+        for stack, _, _ in self._targets.values():
+            stack.clear(slot)
+
     def load(self, load: LoRALoad) -> None:
         """Put the adapter at `load.path` into `load.slot` (replacing what the slot held)."""
         adapter = read_adapter(load.name, load.path, self.model_config, self.max_rank)
@@ -141,8 +177,7 @@ class WorkerLoRA:
             assert found is not None, tensor_name  # read_adapter checked every name
             module, kind = found
             pairs.setdefault(module, {})[kind] = tensor
-        for stack, _, _ in self._targets.values():
-            stack.clear(load.slot)
+        self._clear(load.slot)
         dtype = next(iter(self._targets.values()))[0].a.dtype
         for module, pair in pairs.items():
             stack, shard_id, part = self._targets[module]

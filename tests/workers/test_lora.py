@@ -168,3 +168,25 @@ def test_refusals_before_anything_runs(tiny_llama, tiny_lora, tmp_path):
         _tokens(llm, [[5, 6, 7]], LoRARequest("a", 1, tiny_lora))
     stats = llm.stats()
     assert stats["num_waiting"] == stats["num_running"] == 0
+
+
+def test_an_adapter_gone_from_disk_fails_its_requests_not_the_engine(tiny_llama, tmp_path):
+    """Checked when named, then deleted before a rank loads it again: its request ends with an
+    error, the slot is emptied, and the engine serves the base model and other adapters on."""
+    adapters = [
+        str(make_lora_adapter(tiny_llama, tmp_path / n, seed=i)) for i, n in enumerate("ab")
+    ]
+    requests = [LoRARequest(name, i, path) for i, (name, path) in enumerate(zip("ab", adapters))]
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_loras=1, num_kv_blocks=32)
+    prompt = [[5, 17, 33, 2, 9]]
+    before = [_tokens(llm, prompt, request) for request in requests]  # a, then b in its slot
+    shutil.rmtree(adapters[0])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    request = [{"prompt_token_ids": prompt[0]}]
+    (failed,) = llm.generate(request, params, use_tqdm=False, lora_request=requests[0])
+    assert failed.error == "the LoRA adapter 'a' could not be loaded"
+    assert failed.outputs[0].finish_reason == "error"
+    assert [_tokens(llm, prompt, request) for request in requests[1:]] == before[1:]
+    assert _tokens(llm, prompt) != before[1]
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"] and stats["num_running"] == 0
