@@ -7,6 +7,7 @@ OpenMP threads bound to the cores) and runs in a worker process that keeps its e
     .venv/bin/python benchmarks/vllm_offline.py             # about 6-8 minutes on 2 cores
     .venv/bin/python benchmarks/vllm_offline.py --quick     # a smoke run
     .venv/bin/python benchmarks/vllm_offline.py --preset qwen2.5-0.5b --dtypes bfloat16
+    .venv/bin/python benchmarks/vllm_offline.py --lora 4   # requests over 4 LoRA adapters
 
 Workloads, the same token ids for both systems, greedy, EOS ignored:
 - sharegpt: `offline_throughput.py`'s 64 ShareGPT-like requests. Prefix caching off in both: every
@@ -14,6 +15,9 @@ Workloads, the same token ids for both systems, greedy, EOS ignored:
 - prefix512: the same requests behind one shared 512-token prefix. Prefix caching on in both
   (each system's default): the first request computes the prefix, the others read it. Each repeat
   draws a new prefix, so no run hits the blocks of the one before.
+
+With `--lora N`, both engines serve N seeded adapters of rank `--lora-rank` (`pagedray
+make-lora`'s, over every projection) with `max_loras` N, the requests taking them in turn.
 
 Each (dtype, workload) cell loads both engines (the load is timed: `LLM(...)` alone, as a user
 waits for it), warms them up, then runs them alternately (ABBA), `--repeats` each; the medians
@@ -37,7 +41,7 @@ import numpy as np
 
 # NOTE: run as a script, this directory is on sys.path.
 from offline_throughput import NUM_CHECKED, Workload, benchmark_workload
-from vllm_peer_tools import VllmEnv, VllmOffline, wait_quiet
+from vllm_peer_tools import Adapters, VllmEnv, VllmOffline, wait_quiet
 
 SYSTEMS = ("pagedray", "vLLM")
 DTYPES = ("float32", "bfloat16")
@@ -94,28 +98,40 @@ def run_cell(
     repeats: int,
     seed: int,
     log_dir: Path,
+    lora: Adapters | None = None,
 ) -> Cell:
     """Loads both engines for one dtype and workload and runs them alternately."""
-    from pagedray import LLM, SamplingParams
+    from pagedray import LLM, LoRARequest, SamplingParams
 
     caching = workload_name == "prefix512"
     runs = prefix_runs(workload, repeats, seed) if caching else [workload] * repeats
     cell = Cell(dtype, workload_name, runs[0].num_prompt_tokens, runs[0].num_output_tokens)
     start = time.perf_counter()
-    llm = LLM(path, dtype=dtype, num_threads=threads, enable_prefix_caching=caching)
+    lora_args = {}
+    if lora is not None:
+        lora_args = {"enable_lora": True, "max_loras": len(lora.paths), "max_lora_rank": lora.rank}
+    llm = LLM(path, dtype=dtype, num_threads=threads, enable_prefix_caching=caching, **lora_args)
     cell.load_s["pagedray"] = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens
         ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        adapters = None
+        if lora is not None:  # the requests take the adapters in turn
+            count = len(lora.paths)
+            adapters = [
+                LoRARequest(f"a{i % count}", i % count + 1, lora.paths[i % count])
+                for i in range(len(prompts))
+            ]
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
         return [list(out.outputs[0].token_ids) for out in outputs]
 
     peer = None
     try:
         generate(workload.warmup_prompts, workload.warmup_output_lens)  # not timed
-        peer = VllmOffline(env, path, workload, log_dir, dtype, caching, runs)
+        peer = VllmOffline(env, path, workload, log_dir, dtype, caching, runs, lora)
         cell.load_s["vLLM"] = float(peer.config["load_s"])
         cell.notes.append(f"vLLM engine: {peer.config}")
         for index, run in enumerate(runs):
@@ -191,6 +207,8 @@ def parse_args() -> argparse.Namespace:
     add("--threads", type=int, default=2, help="pagedray's torch threads")
     add("--seed", type=int, default=0, help="seeds the workload and the prefixes")
     add("--preset", default="small", help="the built model (small, qwen2.5-0.5b, llama-3.2-1b)")
+    add("--lora", type=int, default=0, help="LoRA adapters the requests take in turn (0: none)")
+    add("--lora-rank", type=int, default=8, help="their rank")
     add_vllm_args(parser)
     return parser.parse_args()
 
@@ -231,15 +249,27 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M')}; model {path}; load average {load}")
     print(f"pagedray {args.threads} threads; vLLM {env.python}, KV {env.kv_space_gib} GiB, "
           f"OMP bind {env.omp_bind!r}, LD_PRELOAD {env.preload}")  # fmt: skip
+    lora_dir = Path(tempfile.mkdtemp(prefix="vllm_offline_lora_"))
+    lora = None
+    if args.lora:
+        from pagedray.workers.lora_checkpoint import make_lora_adapter
+
+        paths = [
+            str(make_lora_adapter(path, lora_dir / f"a{i}", rank=args.lora_rank, seed=i))
+            for i in range(args.lora)
+        ]
+        lora = Adapters(paths, args.lora_rank)
+        print(f"{args.lora} LoRA adapters of rank {args.lora_rank}, the requests in turn")
     cells = []
     for dtype in dtypes:
         for name in workloads:
             log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_offline_{dtype}_{name}_"))
             cell = run_cell(
-                path, workload, env, dtype, name, args.threads, repeats, args.seed, log_dir
+                path, workload, env, dtype, name, args.threads, repeats, args.seed, log_dir, lora
             )
             cells.append(cell)
             shutil.rmtree(log_dir, ignore_errors=True)  # kept, with vLLM's log, when it failed
+    shutil.rmtree(lora_dir, ignore_errors=True)
     report(cells)
 
 

@@ -157,6 +157,14 @@ def kill_session(session: int) -> None:
             time.sleep(0.2)
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters both systems serve, the requests taking them in turn."""
+
+    paths: list[str]
+    rank: int
+
+
 class VllmOffline:
     """`vllm_peer_worker.py` under vLLM's interpreter, in a session of its own: one `vllm.LLM`
     kept between runs, so that runs interleave with pagedray's without restarting either."""
@@ -170,8 +178,10 @@ class VllmOffline:
         dtype: str = "float32",
         prefix_caching: bool = False,
         runs: list[Workload] | None = None,
+        lora: Adapters | None = None,
     ) -> None:
-        """`runs`, when given, are sent in turn, one a `run()`; else `workload` every time."""
+        """`runs`, when given, are sent in turn, one a `run()`; else `workload` every time;
+        `lora`: the adapters the requests take in turn."""
         workload_path = log_dir / "workload.json"
         workload_path.write_text(
             json.dumps(
@@ -192,6 +202,8 @@ class VllmOffline:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         command = [str(env.python), str(WORKER), "--model", path, "--workload", str(workload_path)]
         command += ["--dtype", dtype] + (["--prefix-caching"] if prefix_caching else [])
+        if lora is not None:
+            command += ["--lora-paths", json.dumps(lora.paths), "--max-lora-rank", str(lora.rank)]
         self.proc = subprocess.Popen(
             [*command, "--result-fd", str(write_fd)],
             stdin=subprocess.PIPE,

@@ -26,9 +26,12 @@ def main() -> None:
     parser.add_argument("--result-fd", type=int, required=True, help="where the JSON lines go")
     parser.add_argument("--dtype", default="float32", help="the model's dtype")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's default: on")
+    parser.add_argument("--lora-paths", default="[]", help="JSON list: adapters taken in turn")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     with open(args.workload) as file:
         workload = json.load(file)
@@ -40,14 +43,36 @@ def main() -> None:
 
     # NOTE: prefix caching as pagedray's run has it: off where every repeat sends the same prompts.
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=args.prefix_caching)
+    adapters = json.loads(args.lora_paths)
+    lora_args: dict[str, Any] = {}
+    if adapters:
+        lora_args = {
+            "enable_lora": True,
+            "max_loras": len(adapters),
+            "max_cpu_loras": len(adapters),
+            "max_lora_rank": args.max_lora_rank,
+        }
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        seed=0,
+        enable_prefix_caching=args.prefix_caching,
+        **lora_args,
+    )
     load_s = time.perf_counter() - start
     runs = workload.get("runs") or [workload]
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in output_lens]
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+        lora = None
+        if adapters:
+            count = len(adapters)
+            lora = [
+                LoRARequest(f"a{i % count}", i % count + 1, adapters[i % count])
+                for i in range(len(prompts))
+            ]
+        outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
         return [list(out.outputs[0].token_ids) for out in outputs]
 
     generate(workload["warmup_prompts"], workload["warmup_output_lens"])  # not timed

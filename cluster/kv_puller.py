@@ -48,7 +48,7 @@ class KVPuller:
             return
         block_size = self.engine.core.scheduler.config.block_size
         prompt = request.prompt_token_ids
-        hashes = compute_block_hashes(prompt, block_size, request.cache_salt, [], request.lora_name)
+        hashes = compute_block_hashes(prompt, block_size, request.cache_salt, [], request.lora_key)
         hashes = hashes[pull.first_block : pull.num_blocks]
         call: Any = None
         try:

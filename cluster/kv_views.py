@@ -58,10 +58,10 @@ class KVViews:
         return self._engine is not None
 
     def routing_hashes(
-        self, token_ids: list[int], cache_salt: str | None, lora_name: str | None
+        self, token_ids: list[int], cache_salt: str | None, lora_key: str | None
     ) -> list[bytes]:
         """The request's full blocks, hashed as the engines hash them, cut as they publish."""
-        hashes = compute_block_hashes(token_ids, self._block_size, cache_salt, [], lora_name)
+        hashes = compute_block_hashes(token_ids, self._block_size, cache_salt, [], lora_key)
         return [routing_hash(block_hash) for block_hash in hashes]
 
     def set_live_replicas(self, replica_ids: frozenset[str]) -> None:

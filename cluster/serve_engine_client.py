@@ -295,7 +295,7 @@ class ServeEngineClient:
         views.follow_live_replicas()  # also lets the router's news reach this loop
         if views.attached and len(views.live_replica_ids) > 1:  # else nothing to choose
             request.routing_hashes = views.routing_hashes(
-                request.prompt_token_ids, request.cache_salt, request.lora_name
+                request.prompt_token_ids, request.cache_salt, request.lora_key
             )
 
 

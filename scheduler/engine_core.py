@@ -80,15 +80,20 @@ class EngineCore:
         # Requests the scheduler ended before they ran (a grammar that failed to compile).
         outputs, self.scheduler.pending_outputs = self.scheduler.pending_outputs, []
         if scheduler_output.total_num_scheduled_tokens == 0:
-            if scheduler_output.finished_req_ids or scheduler_output.blocks_to_save:
-                # Let the workers drop what finished (and save) even when nothing else runs.
+            if (
+                scheduler_output.finished_req_ids
+                or scheduler_output.blocks_to_save
+                or scheduler_output.lora_loads
+            ):
+                # Let the workers drop what finished (save, load adapters) when nothing runs.
                 manager = self.scheduler.kv_cache_manager
                 try:
                     runner_output = self.executor.execute_model(scheduler_output)
                 except BaseException:
-                    manager.step_done(ran=False)  # the tier slots it was to write are freed
+                    self.scheduler.unindex_step_blocks(scheduler_output)  # nothing was indexed
                     raise
                 manager.step_done(ran=True, tier_copy_seconds=runner_output.tier_copy_seconds)
+                outputs += self.scheduler.lora_loads_done(scheduler_output, runner_output)
             if not outputs:
                 self._wait_for_grammars()
             return outputs
@@ -96,12 +101,13 @@ class EngineCore:
             runner_output = self._execute(scheduler_output)
         except BaseException:
             # The step's blocks were indexed when planned; their KV may never have been written.
-            self.scheduler.unindex_step_blocks()
+            self.scheduler.unindex_step_blocks(scheduler_output)
             raise
         self.scheduler.kv_cache_manager.step_done(
             ran=True, tier_copy_seconds=runner_output.tier_copy_seconds
         )
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs += self.scheduler.lora_loads_done(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_time = time.monotonic()
         self.last_step_duration = self.last_step_time - start

@@ -397,7 +397,7 @@ class KVCacheManager:
         block_hashes = self.req_to_block_hashes.setdefault(req.req_id, [])
         block_hashes.extend(
             compute_block_hashes(
-                req.all_token_ids, self.block_size, req.cache_salt, block_hashes, req.lora_name
+                req.all_token_ids, self.block_size, req.cache_salt, block_hashes, req.lora_key
             )
         )
         return block_hashes

@@ -1,10 +1,12 @@
 """Which LoRA adapters sit in the workers' slots, as the block table says which blocks hold KV.
 
 Every rank keeps `max_loras` device slots of stacked adapter weights. The scheduler owns the
-slot table: a request naming an adapter is admitted only when its adapter is in a slot or can
-be put in one (a free slot, or one whose adapter no running sequence uses, least recently used
-first); the plan then tells every rank to load it (`SchedulerOutput.lora_loads`) before the
-step runs. So one step never holds more than `max_loras` adapters, as vLLM's `--max-loras`
+slot table. A request naming an adapter that is in no slot is not admitted at once: when a slot
+can take the adapter (a free one, or one whose adapter no running sequence uses, least recently
+used first) the next plan tells every rank to load it (`SchedulerOutput.lora_loads`), and the
+request is admitted once the step reports the load done. So a sequence never runs on a slot
+that failed to load (the requests waiting for it end instead, and nothing of them was computed
+or cached), one step never holds more than `max_loras` adapters, as vLLM's `--max-loras`
 bounds a batch, and an adapter that running sequences use is never overwritten.
 """
 
@@ -18,67 +20,67 @@ from pagedray.scheduler.request import Request
 
 
 class LoRASlots:
-    """The adapters an engine knows (name -> path) and which of them each slot holds."""
+    """The adapters an engine knows and which of them each slot holds."""
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
-        self.paths: dict[str, str] = {}  # every adapter requests may name
-        self._slot_of: dict[str, int] = {}  # adapters in a slot
+        self.paths: dict[str, str] = {}  # every adapter requests may name: its folder
+        # What its prefix-cache blocks are hashed with: its name and its files' identity, so a
+        # folder rewritten in place (an adapter trained again) shares no blocks with before.
+        self.keys: dict[str, str] = {}
+        self._slot_of: dict[str, int] = {}  # adapters in a slot, loaded or loading
+        self._loading: set[str] = set()  # a plan loads them; not admitted on until it ran
         self._users: dict[str, int] = {}  # running sequences per adapter in a slot
-        self._idle: OrderedDict[str, None] = OrderedDict()  # in a slot, unused: oldest first
+        self._idle: OrderedDict[str, None] = OrderedDict()  # loaded, unused: oldest first
         self._free = list(range(max_loras - 1, -1, -1))
         self._loads: list[LoRALoad] = []
         self.num_loads = 0  # adapters put in a slot, all steps
-        # Finds (and checks) the folder of an adapter a request names that is not registered;
-        # raises ValueError when there is none. None: only registered names run.
-        self.resolver: Callable[[str], str] | None = None
+        # Finds (and checks) the folder of an adapter a request names that is not registered:
+        # (folder, key); raises ValueError when there is none. None: only registered names run.
+        self.resolver: Callable[[str], tuple[str, str]] | None = None
 
-    def register(self, name: str, path: str) -> None:
-        """Let requests name `name` (again with the same path: nothing changes).
+    def register(self, name: str, path: str, key: str | None = None) -> None:
+        """Let requests name `name` (again with the same path: nothing changes); `key`: its
+        prefix-cache key (default: the name).
 
         Raises:
-            ValueError: `name` is registered with another path (unregister it first).
+            ValueError: `name` is registered with another path.
         """
         if self.paths.get(name) not in (None, path):
             raise ValueError(f"lora_name: {name!r} is already loaded from {self.paths[name]!r}")
         self.paths[name] = path
-
-    def unregister(self, name: str) -> bool:
-        """Forget `name` (False: unknown); sequences that use it keep their slot until they end."""
-        if self.paths.pop(name, None) is None:
-            return False
-        if self._users.get(name, 0) == 0:
-            self._evict(name)
-        return True
+        self.keys.setdefault(name, key or name)
 
     def knows(self, name: str) -> bool:
         """Whether requests may name `name`: registered, or found by the resolver (which
         registers it; ValueError: it found no adapter of that name)."""
         if name not in self.paths and self.resolver is not None:
-            self.register(name, self.resolver(name))
+            self.register(name, *self.resolver(name))
         return name in self.paths
 
-    def can_hold(self, name: str) -> bool:
-        """Whether a sequence of `name` could be admitted now."""
-        return name in self._slot_of or bool(self._free) or bool(self._idle)
-
-    def acquire(self, req: Request) -> None:
-        """Give an admitted sequence its adapter's slot (loading it where needed); call only
-        after `can_hold`."""
-        name = req.lora_name
-        assert name is not None
-        slot = self._slot_of.get(name)
-        if slot is None:
+    def ready(self, name: str) -> bool:
+        """Whether a sequence of `name` may be admitted now: its adapter is loaded in a slot.
+        If it is in none and a slot can take it, the next plan loads it (`take_loads`)."""
+        if name in self._slot_of:
+            return name not in self._loading
+        if self._free or self._idle:
             if not self._free:
                 self._evict(next(iter(self._idle)))
             slot = self._free.pop()
             self._slot_of[name] = slot
             self._users[name] = 0
+            self._loading.add(name)
             self._loads.append(LoRALoad(slot, name, self.paths[name]))
             self.num_loads += 1
+        return False
+
+    def acquire(self, req: Request) -> None:
+        """Give an admitted sequence its adapter's slot; call only once `ready`."""
+        name = req.lora_name
+        assert name is not None and self.ready(name)
         self._idle.pop(name, None)
         self._users[name] += 1
-        req.lora_slot = slot
+        req.lora_slot = self._slot_of[name]
 
     def fork(self, parent: Request, children: list[Request]) -> None:
         """A prefilled n > 1 prompt became `children`: each holds the parent's slot."""
@@ -97,22 +99,32 @@ class LoRASlots:
         req.lora_slot = None
         self._users[name] -= 1
         if self._users[name] == 0:
-            if name in self.paths:
-                self._idle[name] = None
-            else:  # unregistered while in use
-                self._evict(name)
-
-    def empty(self, slot: int) -> None:
-        """The ranks could not load `slot`: no sequence holds it any more (they were ended);
-        its adapter is out of the slots."""
-        name = next((n for n, s in self._slot_of.items() if s == slot), None)
-        if name is not None:
-            self._evict(name)
+            self._idle[name] = None
 
     def take_loads(self) -> list[LoRALoad]:
-        """The slots this step fills, once: the next plan carries them."""
+        """The slots the next step fills, once: the plan carries them."""
         loads, self._loads = self._loads, []
         return loads
+
+    def loaded(self, loads: list[LoRALoad], failed_slots: list[int]) -> list[str]:
+        """A step ran `loads` (its plan's); those in `failed_slots` left their slot empty on
+        some rank. Returns the adapters that failed (out of the slots again: the requests
+        waiting for them end, and the next one to name them tries anew)."""
+        failed = []
+        for load in loads:
+            self._loading.discard(load.name)
+            if load.slot in failed_slots:
+                self._evict(load.name)
+                failed.append(load.name)
+            elif self._users.get(load.name) == 0:
+                self._idle[load.name] = None
+        return failed
+
+    def lost(self, loads: list[LoRALoad]) -> None:
+        """The step that carried `loads` failed before they ran: out of the slots again."""
+        for load in loads:
+            self._loading.discard(load.name)
+            self._evict(load.name)
 
     def running_adapters(self) -> list[str]:
         return sorted(name for name, users in self._users.items() if users)

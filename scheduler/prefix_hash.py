@@ -58,21 +58,21 @@ def compute_block_hashes(
     block_size: int,
     cache_salt: str | None,
     existing: list[BlockHash],
-    lora_name: str | None = None,
+    lora_key: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` past the `len(existing)` already hashed.
 
     Incremental: only the new full blocks are hashed, each chained to the one before. The salt
-    and the LoRA adapter enter the first block only; chaining carries them into every later
-    hash, so an adapter's K/V (which its q/k/v deltas change) is never the base model's.
+    and the LoRA adapter's key enter the first block only; chaining carries them into every
+    later hash, so an adapter's K/V (which its q/k/v deltas change) is never the base model's.
     """
     num_full_blocks = len(token_ids) // block_size
     parent = existing[-1] if existing else None
     new_hashes: list[BlockHash] = []
     first_keys: tuple = () if cache_salt is None else (cache_salt,)
-    if lora_name is not None:
+    if lora_key is not None:
         # Three keys where a salt alone is one: no salt can hash like an adapter.
-        first_keys = (cache_salt, _LORA_KEY, lora_name)
+        first_keys = (cache_salt, _LORA_KEY, lora_key)
     for block_idx in range(len(existing), num_full_blocks):
         start = block_idx * block_size
         extra_keys = first_keys if block_idx == 0 else ()

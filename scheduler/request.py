@@ -74,6 +74,9 @@ class Request:
         self.cache_salt = engine_request.cache_salt
         self.lora_name = engine_request.lora_name
         self.lora_slot: int | None = None  # its adapter's slot while it runs (LoRASlots)
+        # What its blocks are hashed with besides its tokens: the adapter's key (set when the
+        # scheduler takes it; its name and files' identity); None: the base model.
+        self.lora_key: str | None = None
         self.parent_req_id = parent_req_id  # set on forked children
         self.choice_index = choice_index  # which of the parent's n outputs this is
         self.output_token_ids: list[int] = list(engine_request.output_token_ids)
@@ -174,6 +177,7 @@ class Request:
             parent_req_id=self.req_id,
             choice_index=choice_index,
         )
+        child.lora_key = self.lora_key
         child.thinking_left = self.thinking_left
         child.output_thinking_seen = self.output_thinking_seen
         child.num_computed_tokens = self.num_computed_tokens

@@ -89,6 +89,8 @@ class Scheduler:
             self.lora_slots is None or not self.lora_slots.knows(req.lora_name)
         ):
             raise refusal("model", f"no LoRA adapter {req.lora_name!r} is loaded")
+        if req.lora_name is not None and self.lora_slots is not None:
+            req.lora_key = self.lora_slots.keys[req.lora_name]
         if req.thinking_left is not None and self.structured is None:
             raise refusal("thinking_token_budget", "this engine was built without a tokenizer")
         constraint = req.sampling_params.structured_outputs
@@ -176,8 +178,16 @@ class Scheduler:
         return plan
 
     def _make_room_for_priority(self) -> None:
-        # NOTE: a request whose grammar still compiles cannot be admitted: it preempts no one.
-        head = next((r for r in self.waiting if r.grammar is None or r.grammar.ready()), None)
+        # NOTE: a request whose grammar still compiles, or whose LoRA adapter is not loaded
+        # yet (asking starts its load), cannot be admitted: it preempts no one.
+        head = next(
+            (
+                r
+                for r in self.waiting
+                if (r.grammar is None or r.grammar.ready()) and self._lora_ready(r)
+            ),
+            None,
+        )
         for victim in priority_victims(head, self.running, self.config.max_num_seqs):
             self._preempt(victim)
 
@@ -199,8 +209,8 @@ class Scheduler:
             req_num_seqs = num_seqs(req)
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
-            if not self._lora_fits(req):
-                idx += 1  # its adapter would be one too many this step: others may go
+            if not self._lora_ready(req):
+                idx += 1  # its adapter is loading, or no slot can take it yet: others may go
                 continue
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
             tier_hits = self.kv_cache_manager.get_tier_hits(req, len(computed_blocks))
@@ -224,11 +234,12 @@ class Scheduler:
             budget -= num_new
             num_running_seqs += req_num_seqs
 
-    def _lora_fits(self, req: Request) -> bool:
-        """Whether `req`'s adapter (if any) is in a slot or can take one now."""
+    def _lora_ready(self, req: Request) -> bool:
+        """Whether `req`'s adapter (if any) is loaded in a slot; if not, the next plan loads it
+        where a slot can take it."""
         if req.lora_name is None or self.lora_slots is None:
             return True
-        return self.lora_slots.can_hold(req.lora_name)
+        return self.lora_slots.ready(req.lora_name)
 
     def _plan(
         self, plan: SchedulerOutput, req: Request, allocation: Allocation, num_new: int
@@ -247,10 +258,12 @@ class Scheduler:
             req, req.num_computed_tokens + num_new
         )
 
-    def unindex_step_blocks(self) -> None:
+    def unindex_step_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The planned step failed before it ran: drop the blocks `_plan` indexed for it, whose
         KV may never have been written (the offline `LLM` is used again after a failed call),
-        and free the tier slots it was to save into."""
+        free the tier slots it was to save into, and the LoRA slots it was to load."""
+        if self.lora_slots is not None:
+            self.lora_slots.lost(scheduler_output.lora_loads)
         self.kv_cache_manager.block_pool.uncache(self.indexed_in_step)
         self.indexed_in_step = []
         self.kv_cache_manager.step_done(ran=False)
@@ -265,7 +278,6 @@ class Scheduler:
             if req is not None and not req.is_finished:
                 req.store_prompt_logprobs(first_position, entries)
         outputs.extend(self._fail(runner_output.failed))
-        outputs.extend(self._fail_lora_slots(runner_output.lora_load_failures))
         for req_id, token_ids, logprobs in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, runner_output.logprobs
         ):
@@ -288,19 +300,22 @@ class Scheduler:
             outputs.append(self._end_with_error(req, error))
         return outputs
 
-    def _fail_lora_slots(self, slots: list[int]) -> list[EngineCoreOutput]:
-        """End every sequence that runs with an adapter the ranks could not load, and empty
-        its slot (the next request naming the adapter loads it again)."""
-        if not slots or self.lora_slots is None:
+    def lora_loads_done(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """The step ran its plan's adapter loads: the adapters loaded are admitted on; the
+        requests waiting for one that failed end (nothing of them ran), with an error."""
+        if self.lora_slots is None or not scheduler_output.lora_loads:
             return []
+        failed = self.lora_slots.loaded(
+            scheduler_output.lora_loads, runner_output.lora_load_failures
+        )
         outputs = []
-        for req in [r for r in self.running if r.lora_slot in slots]:
+        for req in [r for r in self.waiting if r.lora_name in failed]:
             if not req.is_finished:
                 message = f"the LoRA adapter {req.lora_name!r} could not be loaded"
                 failure = RequestFailure(FailureKind.INTERNAL, message)
                 outputs.append(self._end_with_error(req, failure))
-        for slot in slots:
-            self.lora_slots.empty(slot)
         return outputs
 
     def _end_with_error(self, req: Request, error: RequestError) -> EngineCoreOutput:

@@ -56,7 +56,7 @@ def read_adapter(name: str, path: str, model: ModelConfig, max_lora_rank: int) -
     Raises:
         ValueError: "lora_path: ..." saying what is missing or does not fit.
     """
-    folder = Path(path).expanduser()
+    folder = Path(path).expanduser().resolve()
     config = _adapter_config(folder)
     rank = config.get("r")
     alpha = config.get("lora_alpha", rank)
@@ -97,6 +97,18 @@ def read_adapter(name: str, path: str, model: ModelConfig, max_lora_rank: int) -
         raise _unfit(folder, "no LoRA tensors")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     return LoRAAdapter(name, str(folder), rank, float(scaling), tuple(sorted(modules)))
+
+
+def adapter_key(name: str, path: str) -> str:
+    """What an adapter's prefix-cache blocks are hashed with: its name and its weights file's
+    size and modification time, so that blocks outliving an engine (the node's KV tiers) are
+    never read for an adapter trained again into the same folder. Every process that reads the
+    same file computes the same key (the router's hashes match the engines')."""
+    try:
+        stat = (Path(path) / ADAPTER_WEIGHTS).stat()
+    except OSError:
+        return name
+    return f"{name}@{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:

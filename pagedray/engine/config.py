@@ -398,8 +398,18 @@ class EngineConfig(BaseModel):
                 if not isinstance(name, str) or not isinstance(path, str):
                     raise ValueError(f"{item!r}: an adapter needs a name and a path")
                 item = f"{name}={path}"
+            if isinstance(item, str) and "=" in item:
+                # Made absolute where the settings are made (the CLI): a replica's working
+                # directory is not the command's.
+                name, _, path = item.partition("=")
+                item = f"{name}={os.path.abspath(os.path.expanduser(path)) if path else ''}"
             texts.append(item)
         return texts
+
+    @field_validator("lora_resolver_dir")
+    @classmethod
+    def _absolute_folder(cls, value: str | None) -> str | None:
+        return None if not value else os.path.abspath(os.path.expanduser(value))
 
     @model_validator(mode="before")
     @classmethod
@@ -428,8 +438,11 @@ class EngineConfig(BaseModel):
         for any other name (one that could leave the folder is no adapter's)."""
         if self.lora_resolver_dir is None or not _ADAPTER_NAME.fullmatch(name) or ".." in name:
             return None
-        folder = Path(self.lora_resolver_dir).expanduser() / name
-        return str(folder) if (folder / "adapter_config.json").is_file() else None
+        folder = Path(self.lora_resolver_dir) / name
+        try:
+            return str(folder) if (folder / "adapter_config.json").is_file() else None
+        except OSError:  # unreadable here: no adapter this server can serve
+            return None
 
     def lora_adapters(self) -> dict[str, str]:
         """name -> path of each adapter given by `lora_modules`."""

@@ -109,7 +109,7 @@ def build_engine_core(
         host_tier=open_tiers(getattr(executor, "kv_tiers", {})),
     )
     if engine.scheduler.lora_slots is not None:
-        for name, path in adapters.items():
-            engine.scheduler.lora_slots.register(name, path)
+        for name, (path, key) in adapters.items():
+            engine.scheduler.lora_slots.register(name, path, key)
         engine.scheduler.lora_slots.resolver = resolver(config)
     return engine, executor

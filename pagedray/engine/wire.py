@@ -48,6 +48,9 @@ class GenerateRequest:
     thinking_end_token_id: int | None = None
     thinking_start_token_id: int | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # Its key in block hashes (workers/lora_checkpoint.py's `adapter_key`), for the router's
+    # and a KV pull's hashes; the engine hashes with the key it registered.
+    lora_key: str | None = None
     # Serve: the output channel of the ingress replica that reads this request's outputs
     # (engine/output_channel.py); None: they come back on the request's own call.
     channel_id: str | None = None

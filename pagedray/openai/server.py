@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import Request
@@ -42,6 +43,7 @@ from pagedray.openai.serving import (
 )
 from pagedray.openai.tool_calls import ToolCallOutput
 from pagedray.scheduler.sampling_params import SamplingParams
+from pagedray.workers.lora_checkpoint import adapter_key
 
 # Threads per server that parse bodies and (de)tokenize, off the event loop: a huge prompt then
 # delays only the requests queued behind it here, never /health or a stream.
@@ -137,6 +139,11 @@ class OpenAIServer:
             return None
         known = model in self.config.lora_adapters()
         return model if known or self.config.resolvable_lora(model) is not None else None
+
+    def _lora_key(self, name: str) -> str:
+        """The adapter's key in block hashes, as the engines compute it from its folder."""
+        path = self.config.lora_adapters().get(name) or self.config.resolvable_lora(name)
+        return name if path is None else adapter_key(name, str(Path(path).expanduser().resolve()))
 
     def answer_model(self, model: str | None) -> str:
         """The `model` an answer reports: the adapter's name for an adapter's (vLLM's)."""
@@ -319,6 +326,7 @@ class OpenAIServer:
         shown = [
             request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
+        lora_key = None if lora_name is None else self._lora_key(lora_name)
         requests = [
             GenerateRequest(
                 shown[i] + engine_suffix,
@@ -330,6 +338,7 @@ class OpenAIServer:
                 thinking_end_token_id=thinking_ends[i] if thinking_ends else None,
                 thinking_start_token_id=self._thinking_start,
                 lora_name=lora_name,
+                lora_key=lora_key,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]

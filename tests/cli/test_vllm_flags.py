@@ -121,6 +121,9 @@ def test_lora_settings_as_vllm_s(monkeypatch: pytest.MonkeyPatch) -> None:
         {"model": MODEL, "enable_lora": True, "lora_modules": [{"name": "a", "path": "/l/a"}]},
     )
     assert config.lora_adapters() == {"a": "/l/a"} and config.lora_resolver_dir is None
+    # A relative folder is made absolute where the settings are made: replicas run elsewhere.
+    relative = validated(EngineConfig, {"model": MODEL, "enable_lora": True, "lora_modules": "a=r"})
+    assert relative.lora_adapters() == {"a": str(Path("r").absolute())}
     # vLLM's filesystem resolver's folder, from its environment variable, with LoRA on only.
     monkeypatch.setenv("VLLM_LORA_RESOLVER_CACHE_DIR", "/loras")
     assert validated(EngineConfig, {"model": MODEL, "enable_lora": True}).lora_resolver_dir == (

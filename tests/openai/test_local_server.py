@@ -29,7 +29,14 @@ PROMPT = [5, 17, 33, 2, 9, 41, 7]
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama: str, tiny_lora: str) -> Iterator[tuple[TestClient, OpenAIServer]]:
+def served(
+    tiny_llama: str, tiny_lora: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TestClient, OpenAIServer]]:
+    # The resolver's folder holds the adapter as "a"; beside the folder lies one as "outside",
+    # which a name that leaves the folder would reach.
+    root = tmp_path_factory.mktemp("loras")
+    for where in (root / "resolved" / "a", root / "outside"):
+        shutil.copytree(tiny_lora, where)
     config = EngineConfig(
         model=tiny_llama,
         num_kv_blocks=64,
@@ -37,7 +44,7 @@ def served(tiny_llama: str, tiny_lora: str) -> Iterator[tuple[TestClient, OpenAI
         served_model_name=["x"],
         enable_lora=True,
         lora_modules=[f"x-lora={tiny_lora}"],
-        lora_resolver_dir=str(Path(tiny_lora).parent),  # it holds the adapter as "a"
+        lora_resolver_dir=str(root / "resolved"),
     )
     app = local_openai_app(config, guard=GuardSettings(api_key_digest(KEY)))
     with TestClient(app) as http:  # its lifespan stops the engine at the end
@@ -517,12 +524,14 @@ def test_a_lora_adapter_is_a_model_clients_name(
     # named (vLLM's filesystem resolver); no name reaches outside the folder.
     resolved = sdk.chat.completions.create(model="a", **chat)
     assert resolved.model == "a" and resolved.choices[0].message.content == text
-    for outside in ("../a", "a/..", ".", "/a"):
+    resolved_dir = Path(served[1].config.lora_resolver_dir or "")
+    outside = str(resolved_dir.parent / "outside")
+    for leaving in ("../outside", "a/../../outside", outside, "./a"):
         with pytest.raises(openai.NotFoundError):
-            sdk.chat.completions.create(model=outside, **chat)
-    broken = Path(tiny_lora).parent / "broken"  # a config without its weights
+            sdk.chat.completions.create(model=leaving, **chat)
+    broken = resolved_dir / "broken"  # a config without its weights
     broken.mkdir(exist_ok=True)
     shutil.copy(Path(tiny_lora) / "adapter_config.json", broken)
-    with pytest.raises(openai.BadRequestError, match="no adapter_model.safetensors"):
+    with pytest.raises(openai.BadRequestError, match="'broken' is no LoRA adapter this model can"):
         sdk.chat.completions.create(model="broken", **chat)
     assert _all_blocks_free(served[0])

@@ -108,6 +108,7 @@ def test_more_adapters_than_slots_preemption_and_chunks_change_no_token(
     got = _tokens(llm, prompts, [requests[c] for c in choice])
     assert got == [references[c][i] for i, c in enumerate(choice)]
     stats, slots = llm.stats(), llm.engine.scheduler.lora_slots
+    # Both adapters went through the one slot, and sequences were preempted on the way.
     assert stats["num_preemptions"] > 0 and slots is not None and slots.num_loads >= 2
 
     fresh = LLM(tiny_llama, dtype="float32", enable_lora=True, enable_prefix_caching=True)
@@ -166,21 +167,20 @@ def test_refusals_before_anything_runs(tiny_llama, tiny_lora, tmp_path):
     llm = LLM(tiny_llama, num_kv_blocks=16)
     with pytest.raises(ValueError, match="without enable_lora"):
         _tokens(llm, [[5, 6, 7]], LoRARequest("a", 1, tiny_lora))
-    stats = llm.stats()
-    assert stats["num_waiting"] == stats["num_running"] == 0
 
 
 def test_an_adapter_gone_from_disk_fails_its_requests_not_the_engine(tiny_llama, tmp_path):
-    """Checked when named, then deleted before a rank loads it again: its request ends with an
-    error, the slot is emptied, and the engine serves the base model and other adapters on."""
+    """Checked when named, then moved away before a rank loads it again: its request ends with
+    an error before anything of it ran (no block of it cached), the slot is emptied, the engine
+    serves the base model and other adapters on, and the adapter put back serves as before."""
     adapters = [
         str(make_lora_adapter(tiny_llama, tmp_path / n, seed=i)) for i, n in enumerate("ab")
     ]
     requests = [LoRARequest(name, i, path) for i, (name, path) in enumerate(zip("ab", adapters))]
     llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_loras=1, num_kv_blocks=32)
-    prompt = [[5, 17, 33, 2, 9]]
+    prompt = _prompts(3, seed=5)[2:]  # 49 tokens: three full blocks
     before = [_tokens(llm, prompt, request) for request in requests]  # a, then b in its slot
-    shutil.rmtree(adapters[0])
+    shutil.move(adapters[0], tmp_path / "away")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     request = [{"prompt_token_ids": prompt[0]}]
     (failed,) = llm.generate(request, params, use_tqdm=False, lora_request=requests[0])
@@ -190,3 +190,26 @@ def test_an_adapter_gone_from_disk_fails_its_requests_not_the_engine(tiny_llama,
     assert _tokens(llm, prompt) != before[1]
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"] and stats["num_running"] == 0
+    shutil.move(tmp_path / "away", adapters[0])
+    assert _tokens(llm, prompt, requests[0]) == before[0]
+
+
+def test_an_adapter_trained_again_in_its_folder_reads_none_of_the_old_blocks(
+    tiny_llama, hf_greedy, tmp_path
+):
+    """The node's KV tier outlives an engine: a later engine serving an adapter of the same name
+    from the same folder, rewritten since, computes its prompt anew (its key holds the weights
+    file's identity), so its tokens are the new adapter's."""
+    folder = tmp_path / "adapter"
+    prompts = _prompts(3, seed=6)[2:]
+    first = LLM(tiny_llama, dtype="float32", enable_lora=True, num_kv_blocks=32)
+    old = _tokens(first, prompts, LoRARequest("a", 1, str(make_lora_adapter(tiny_llama, folder))))
+    first.shutdown()  # its pool's blocks go to the node's host tier
+    make_lora_adapter(tiny_llama, folder, rank=4, seed=9)  # trained again, in place
+    merged = merged_checkpoint(tiny_llama, str(folder), tmp_path / "merged")
+    want = hf_greedy(merged, prompts, MAX_NEW)
+    assert want != old
+    second = LLM(tiny_llama, dtype="float32", enable_lora=True, num_kv_blocks=32)
+    assert _tokens(second, prompts, LoRARequest("a", 1, str(folder))) == want
+    assert second.stats()["external_prefix_cache_hits"] == 0
+    second.shutdown()

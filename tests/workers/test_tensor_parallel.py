@@ -113,10 +113,15 @@ def _worker(rank: int, world_size: int, init_method: str, paths: list[str]) -> N
     # one would leave rank 1 waiting in a collective rank 0 never joins.
     mismatches: list[str] = []
     for path in paths:
+        base: list[torch.Tensor] = []
         for adapter in (None, f"{path}-lora"):
             sharded = _run(Path(path), tp, adapter)
             if rank != 0:
                 continue
+            if adapter is None:
+                base = sharded
+            elif all(torch.allclose(a, b, atol=1e-3) for a, b in zip(sharded, base)):
+                mismatches.append(f"{path}: the adapter changed no logit")
             single = _run(Path(path), parallel_state.TensorParallelGroup(0, 1), adapter)
             for step, (got, want) in enumerate(zip(sharded, single)):
                 try:
