@@ -111,7 +111,7 @@ class ModelRunnerOutput:
     # only the copies the step had.
     tier_copy_seconds: dict[str, float] = field(default_factory=dict)
     # LoRA slots the plan loaded that some rank could not fill (the adapter's file gone or
-    # unreadable there): the scheduler ends every sequence that holds one, and empties it.
+    # unreadable there): the scheduler ends the requests waiting for them (none runs on one).
     lora_load_failures: list[int] = field(default_factory=list)
 
 

@@ -139,9 +139,9 @@ class WorkerLoRA:
 
     def load_all(self, loads: list[LoRALoad]) -> dict[int, str]:
         """The plan's loads, in order; the slots left empty because a load failed on some rank,
-        by slot: the adapter's name. A file that cannot be read fails the requests of that
-        adapter, not the engine (it was checked when named; it may since be gone, or absent
-        from another node). Collective at TP > 1: every rank reads the same answer."""
+        by slot: the adapter's name. A file that cannot be read fails the requests waiting for
+        that adapter, not the engine (it was checked when named; it may since be gone, or
+        absent from another node). Collective at TP > 1: every rank reads the same answer."""
         ok = []
         for load in loads:
             try:
