@@ -9,8 +9,12 @@ is: a column-parallel projection keeps its rows of B, a row-parallel one its col
 its partial delta joins the all-reduce the projection makes anyway. B is stored multiplied by
 the adapter's scaling.
 
-Each step the model runner says which slot each token's sequence uses (`LoRAStep`); tokens
-of the base model get no delta, and a step of base tokens alone costs nothing.
+The slots sit side by side (A [slots * parts * R, in], B [out, slots * parts * R]), and a step
+computes every token against all of them, zeroing the columns of the slots that are not its
+own between the two products (`LoRAStep`): three operations per projection whatever the mix of
+adapters in the step, every GEMM of the same shape but its rows, so a token's bits do not
+depend on its neighbours (as the base GEMMs' do not: tests/engine/test_exact_rows.py), and a
+base-model token gets an exact zero. A step of base-model tokens alone skips it all.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from pagedray.scheduler.messages import LoRALoad
+from pagedray.workers.layers.gemm import linear, pack
 from pagedray.workers.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -40,25 +45,34 @@ _QKV_PARTS = {"q": 0, "k": 1, "v": 2}
 
 
 class LoRAStep:
-    """Which tokens of this step run with which slot: (slot, token rows or None for all)."""
+    """Which slot each token of this step runs with, as the masks the stacks multiply by."""
 
-    def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+    def __init__(self, max_loras: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.dtype, self.device = dtype, device
+        self.active = False  # some token runs with an adapter
+        self._one_hot: torch.Tensor | None = None  # [tokens, slots]
+        self._masks: dict[int, torch.Tensor] = {}  # rows per slot -> [tokens, slots * rows]
 
-    def set(self, token_slots: np.ndarray, device: torch.device) -> None:
+    def set(self, token_slots: np.ndarray) -> None:
         """`token_slots[i]`: the slot of token i's adapter, -1 for the base model."""
-        slots = np.unique(token_slots)
-        slots = slots[slots >= 0]
-        if len(slots) == 1 and len(slots) == len(np.unique(token_slots)):
-            self.groups = [(int(slots[0]), None)]  # every token, one adapter: no gathers
+        adapted = np.flatnonzero(token_slots >= 0)
+        self.active = len(adapted) > 0
+        self._masks = {}
+        if not self.active:
             return
-        self.groups = [
-            (int(slot), torch.from_numpy(np.flatnonzero(token_slots == slot)).to(device))
-            for slot in slots
-        ]
+        one_hot = np.zeros((len(token_slots), self.max_loras), dtype=np.float32)
+        one_hot[adapted, token_slots[adapted]] = 1.0
+        self._one_hot = torch.from_numpy(one_hot).to(self.device, self.dtype)
 
-    def clear(self) -> None:
-        self.groups = []
+    def mask(self, rows_per_slot: int) -> torch.Tensor:
+        """[tokens, slots * rows_per_slot]: 1 in the columns of each token's own slot."""
+        mask = self._masks.get(rows_per_slot)
+        if mask is None:
+            assert self._one_hot is not None
+            mask = self._one_hot.repeat_interleave(rows_per_slot, dim=1)
+            self._masks[rows_per_slot] = mask
+        return mask
 
 
 class LoRAStack:
@@ -71,34 +85,36 @@ class LoRAStack:
         dtype, device = layer.weight.dtype, layer.weight.device
         self.layer = layer
         self.max_rank = max_rank
+        self.rows_per_slot = parts * max_rank
         self.step = step
-        self.a = torch.zeros(max_loras, parts * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, parts * max_rank, dtype=dtype, device=device)
+        columns = max_loras * self.rows_per_slot
+        self.a = torch.zeros(columns, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(out_features, columns, dtype=dtype, device=device)
+        self._packed: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self.filled: set[int] = set()  # slots whose adapter targets this projection
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += x A^T B^T for each token, with its own slot's A and B."""
-        for slot, rows in self.step.groups:
-            if slot not in self.filled:
-                continue
-            a, b = self.a[slot], self.b[slot]
-            if rows is None:
-                y.add_(torch.mm(torch.mm(x, a.t()), b.t()))
-            else:
-                y.index_add_(0, rows, torch.mm(torch.mm(x[rows], a.t()), b.t()))
+        if not self.step.active or not self.filled:
+            return
+        packed_a, packed_b = self._packed
+        xa = linear(x, self.a, None, packed_a)  # [tokens, slots * rows]: every slot's
+        xa.mul_(self.step.mask(self.rows_per_slot))  # each token's own slot only
+        y.add_(linear(xa, self.b, None, packed_b))
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        columns = self._slot_columns(slot)
+        self.a[columns].zero_()
+        self.b[:, columns].zero_()
         self.filled.discard(slot)
 
     def set_part(
         self, slot: int, shard_id: Any, part: int, a: torch.Tensor, b: torch.Tensor
     ) -> None:
         """One part's full (unsharded) A [r, in] and scaled B [out, r], into `slot`."""
-        rank = a.shape[0]
-        rows = slice(part * self.max_rank, part * self.max_rank + rank)
-        a_slot, b_slot = self.a[slot, rows], self.b[slot, :, rows]
+        start = self._slot_columns(slot).start + part * self.max_rank
+        rows = slice(start, start + a.shape[0])
+        a_slot, b_slot = self.a[rows], self.b[:, rows]
         if isinstance(self.layer, RowParallelLinear):  # A's columns split, as the weight's
             self.layer.weight_loader(a_slot, a)  # type: ignore[arg-type]
             b_slot.copy_(b)
@@ -106,6 +122,13 @@ class LoRAStack:
             a_slot.copy_(a)
             self.layer.weight_loader(b_slot, b, shard_id)  # type: ignore[arg-type]
         self.filled.add(slot)
+
+    def pack(self) -> None:
+        """oneDNN's layouts of A and B (where it serves them), after the slots changed."""
+        self._packed = (pack(self.a), pack(self.b))
+
+    def _slot_columns(self, slot: int) -> slice:
+        return slice(slot * self.rows_per_slot, (slot + 1) * self.rows_per_slot)
 
 
 class WorkerLoRA:
@@ -117,10 +140,12 @@ class WorkerLoRA:
         self.model_config = model_config
         self.max_rank = max_rank
         self.tp: TensorParallelGroup = model.tp  # type: ignore[assignment]
-        self.device = next(model.parameters()).device
-        self.step = LoRAStep()
+        first = next(model.parameters())
+        self.device = first.device
+        self.step = LoRAStep(max_loras, model_config.dtype, self.device)
         # Checkpoint projection -> (its stack, the fused parameter's shard id, part index).
         self._targets: dict[str, tuple[LoRAStack, Any, int]] = {}
+        self._stacks: list[LoRAStack] = []
         packed: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
         fused_of = {fused: [] for fused, _ in packed.values()}  # type: dict[str, list[str]]
         for hf_name, (fused, _) in packed.items():
@@ -132,6 +157,7 @@ class WorkerLoRA:
             parts = fused_of.get(leaf, [leaf])
             stack = LoRAStack(module, len(parts), max_loras, max_rank, self.step)
             module.lora = stack
+            self._stacks.append(stack)
             for hf_name in parts:
                 shard_id = packed[hf_name][1] if hf_name in packed else None
                 part = _part_index(module, shard_id)
@@ -161,6 +187,8 @@ class WorkerLoRA:
             else:
                 self._clear(load.slot)
                 failed[load.slot] = load.name
+        for stack in self._stacks:
+            stack.pack()
         return failed
 
     def _clear(self, slot: int) -> None:
@@ -168,7 +196,8 @@ class WorkerLoRA:
             stack.clear(slot)
 
     def load(self, load: LoRALoad) -> None:
-        """Put the adapter at `load.path` into `load.slot` (replacing what the slot held)."""
+        """Put the adapter at `load.path` into `load.slot` (replacing what the slot held);
+        `load_all` then lays the stacks out for the GEMMs again."""
         adapter = read_adapter(load.name, load.path, self.model_config, self.max_rank)
         tensors = load_file(f"{adapter.path}/{ADAPTER_WEIGHTS}")
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -178,7 +207,7 @@ class WorkerLoRA:
             module, kind = found
             pairs.setdefault(module, {})[kind] = tensor
         self._clear(load.slot)
-        dtype = next(iter(self._targets.values()))[0].a.dtype
+        dtype = self.step.dtype
         for module, pair in pairs.items():
             stack, shard_id, part = self._targets[module]
             a = pair["lora_A"].to(dtype)

@@ -224,7 +224,7 @@ class ModelRunner:
         token_rows = rows[token_seq]
         if self.lora is not None:
             slots = np.array([_no_slot(s.lora_slot) for s in states], dtype=np.int64)
-            self.lora.step.set(slots[token_seq], self.device)
+            self.lora.step.set(slots[token_seq])
         input_ids = self.batch.token_ids[token_rows, positions]
         block_ids = self.batch.block_table[token_rows, positions // self.block_size]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size

@@ -51,9 +51,10 @@ class RequestLog:
         prompt: ValidatedPrompt,
         params: SamplingParams,
         shown_as: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """An engine request's line; `shown_as`: the id its lines show (the client's, without
-        the engine's suffix), else its own."""
+        the engine's suffix), else its own; `lora_name`: its LoRA adapter, as vLLM shows it."""
         if shown_as is not None:
             self.shown[request_id] = request_id = shown_as
         if logger.isEnabledFor(logging.DEBUG):
@@ -63,7 +64,12 @@ class RequestLog:
                 self._cut(prompt.text),
                 self._cut(prompt.token_ids),
             )
-        logger.info("Received request %s: params: %s.", request_id, params)
+        if lora_name is None:
+            logger.info("Received request %s: params: %s.", request_id, params)
+        else:
+            logger.info(
+                "Received request %s: params: %s, lora_request: %s.", request_id, params, lora_name
+            )
 
     def output(self, delta: ChoiceDelta, choice_text: str) -> None:
         """A choice's delta, as the client gets it (`delta.text`), and the choice's whole text

@@ -345,7 +345,7 @@ class OpenAIServer:
         log = RequestLog(self.config, stream) if self.config.enable_log_requests else None
         if log is not None:
             for name, prompt, request in zip(shown, prompts, requests, strict=True):
-                log.received(request.request_id, prompt, request.sampling_params, name)
+                log.received(request.request_id, prompt, request.sampling_params, name, lora_name)
         streams = EngineStreams(self.client, requests, self.tokenizer, log)
         failure = await streams.open()
         return engine_error_response(failure) if failure is not None else streams

@@ -290,6 +290,7 @@ def test_api_port_metrics_errors_and_logs(tiny_llama: str, tiny_lora: str, tmp_p
         # throughput mode writes its own lines to the file only).
         received = f"Received request {whole.json()['id']}: params: SamplingParams("
         assert received in ingress
+        assert ", lora_request: tiny-lora." in ingress  # _check_lora_adapter's, as vLLM's line
         deadline = time.monotonic() + LOG_WAIT_S
         console = server.log_path.read_text
         while received not in console(errors="replace") and time.monotonic() < deadline:

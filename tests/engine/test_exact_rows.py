@@ -12,13 +12,12 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
+from exact_gemm import gemm_rows_do_not_depend_on_the_batch
 
 from pagedray.attention import cpu_kernels, cpu_row_tiles
 from pagedray.llm import LLM
 from pagedray.scheduler.outputs import RequestOutput
 from pagedray.scheduler.sampling_params import SamplingParams
-from pagedray.workers.layers.gemm import linear, pack
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,20 +29,6 @@ pytestmark = [
 
 MAX_TOKENS = 24
 WITH_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-
-
-def _gemm_rows_do_not_depend_on_the_batch(width: int) -> bool:
-    """Whether this CPU's GEMM gives a row the same bits at every batch size (no split of the
-    sum that changes with the rows): without it no attention path can make outputs exact."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(3 * width, width, generator=gen)
-    rows = torch.randn(300, width, generator=gen)
-    packed = pack(weight)
-    first = linear(rows[:1], weight, packed=packed)
-    return all(
-        torch.equal(linear(rows[:count], weight, packed=packed)[:1], first)
-        for count in (2, 7, 64, 300)
-    )
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -67,7 +52,7 @@ def test_a_tokens_logprob_is_the_same_bits_by_every_path(
     tiny_models: dict[str, str], arch: str
 ) -> None:
     hidden = json.loads((Path(tiny_models[arch]) / "config.json").read_text())["hidden_size"]
-    if not _gemm_rows_do_not_depend_on_the_batch(hidden):
+    if not gemm_rows_do_not_depend_on_the_batch(hidden):
         pytest.skip("this CPU's GEMM rounds a row by the batch's size: outputs cannot be exact")
     llm = LLM(tiny_models[arch], dtype="float32", enable_prefix_caching=False)
     prompt = _prompt(1, 70)
@@ -109,7 +94,7 @@ def test_decodes_behind_a_shared_prefix_share_its_reads_and_keep_their_bits(
     """Requests behind one cached prefix decode in tiles that read its blocks once for all of
     them (attention/cpu_row_tiles.py); each token's logprob is the bits it has alone."""
     hidden = json.loads((Path(tiny_models["llama"]) / "config.json").read_text())["hidden_size"]
-    if not _gemm_rows_do_not_depend_on_the_batch(hidden):
+    if not gemm_rows_do_not_depend_on_the_batch(hidden):
         pytest.skip("this CPU's GEMM rounds a row by the batch's size: outputs cannot be exact")
     prefix = _prompt(1, 70)  # four whole blocks of 16 tokens and a part
     prompts = [prefix + _prompt(10 + i, 3 + 7 * i) for i in range(5)]

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from exact_gemm import gemm_rows_do_not_depend_on_the_batch
 from safetensors.torch import load_file, save_file
 
 from pagedray import LLM, LoRARequest, SamplingParams
+from pagedray.attention import cpu_kernels
 from pagedray.tools.default_model import ARCHS
 from pagedray.workers.lora_checkpoint import (
     ADAPTER_CONFIG,
@@ -213,3 +215,35 @@ def test_an_adapter_trained_again_in_its_folder_reads_none_of_the_old_blocks(
     assert _tokens(second, prompts, LoRARequest("a", 1, str(folder))) == want
     assert second.stats()["external_prefix_cache_hits"] == 0
     second.shutdown()
+
+
+@pytest.mark.usefixtures("exact_attention")
+def test_an_adapter_token_s_logprob_is_the_same_bits_by_every_path(tiny_llama, tmp_path):
+    """As a base-model token's (tests/engine/test_exact_rows.py): alone, beside base-model rows
+    and another adapter's in the same steps, or its prompt in chunks, an adapter's token has the
+    same logprob bits (every slot is computed for every token, only the GEMMs' rows vary)."""
+    hidden = ModelConfig.from_pretrained(tiny_llama).hidden_size
+    if not cpu_kernels.available() or not gemm_rows_do_not_depend_on_the_batch(hidden):
+        pytest.skip("this CPU's GEMM rounds a row by the batch's size: outputs cannot be exact")
+    adapters = [
+        LoRARequest(name, i, str(make_lora_adapter(tiny_llama, tmp_path / name, seed=i)))
+        for i, name in enumerate("ab")
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    prompts = _prompts(6, seed=8)
+
+    def logprobs(llm: LLM, lora: list) -> list[list[float]]:
+        requests = [{"prompt_token_ids": p} for p in prompts[: len(lora)]]
+        outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+        return [
+            [step[t] for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+            for o in outputs
+        ]
+
+    settings = {"dtype": "float32", "enable_lora": True, "max_loras": 2}
+    llm = LLM(tiny_llama, enable_prefix_caching=False, **settings)
+    alone = logprobs(llm, [adapters[0]])[0]
+    together = logprobs(llm, [adapters[0], None, adapters[1], None])
+    assert together[0] == alone
+    chunked = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=8, **settings)
+    assert logprobs(chunked, [adapters[0]])[0] == alone

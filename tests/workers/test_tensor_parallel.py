@@ -98,7 +98,7 @@ def _run(path: Path, tp, adapter: str | None = None) -> list[torch.Tensor]:
             first_seq_tokens = metadata.query_start_loc_cpu[1]
             slots = np.full(len(input_ids), -1)
             slots[:first_seq_tokens] = 1
-            lora.step.set(slots, input_ids.device)
+            lora.step.set(slots)
         hidden = model(input_ids, positions, kv_cache, metadata)
         logits.append(model.compute_logits(hidden))
     return logits
