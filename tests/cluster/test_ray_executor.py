@@ -13,10 +13,11 @@ import os
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from pagedray import LLM, SamplingParams
+from pagedray import LLM, LoRARequest, SamplingParams
 from pagedray.cluster.pipe_dispatch import PipeDispatcher, PipeWorkerLoop, WorkerStepError
 from pagedray.cluster.placement import reserve_placement
 from pagedray.cluster.ray_executor import DISPATCHES, ActorCallDispatcher, RayExecutor
@@ -45,9 +46,10 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def _generate(llm: LLM, prompts: list[list[int]], lora: Any = None) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -94,25 +96,33 @@ def test_tp2_greedy_matches_tp1_and_transformers(ray_cluster, tp_models, model, 
     assert tp2_tokens == tp1_tokens == hf_greedy(path, prompts, MAX_NEW)
 
 
-def test_dispatch_paths_agree_and_shut_down_cleanly(ray_cluster, tiny_llama):
+def test_dispatch_paths_agree_and_shut_down_cleanly(ray_cluster, tiny_llama, tiny_lora):
+    """Every path, with a LoRA adapter on half the prompts (its load reaches both actors
+    through the plan): the tokens of TP=1 in this process."""
     prompts = _prompts()
+    lora = [LoRARequest("a", 1, tiny_lora) if i % 2 else None for i in range(len(prompts))]
+    tp1 = LLM(tiny_llama, dtype="float32", enable_lora=True)
+    expected = _generate(tp1, prompts, lora)
+    tp1.shutdown()
     tokens = {}
     for dispatch in DISPATCHES:
-        llm = LLM(tiny_llama, tensor_parallel_size=2, dtype="float32", dispatch=dispatch)
+        llm = LLM(
+            tiny_llama, tensor_parallel_size=2, dtype="float32", dispatch=dispatch, enable_lora=True
+        )
         executor = llm.executor
         assert executor.dispatch == dispatch  # pipes did not fall back: one node
         actor_ids = list(executor.actor_ids)
         assert len(actor_ids) == 2 and set(actor_ids) <= _alive_actor_ids()
         pipe_dir = getattr(executor._dispatcher, "pipe_dir", None)
         try:
-            tokens[dispatch] = _generate(llm, prompts)
+            tokens[dispatch] = _generate(llm, prompts, lora)
         finally:
             llm.shutdown()
         _assert_shut_down(executor, actor_ids)
         llm.shutdown()  # idempotent
         if dispatch == "pipe":
             assert pipe_dir is not None and not os.path.exists(pipe_dir)
-    assert tokens["actor"] == tokens["compiled"] == tokens["pipe"]
+    assert tokens["actor"] == tokens["compiled"] == tokens["pipe"] == expected
 
 
 def _plan(step_id: int, scheduled: dict[str, int], finished: list[str]) -> SchedulerOutput:
