@@ -94,7 +94,7 @@ class EngineCore:
                     raise
                 manager.step_done(ran=True, tier_copy_seconds=runner_output.tier_copy_seconds)
                 outputs += self.scheduler.lora_loads_done(scheduler_output, runner_output)
-            if not outputs:
+            if not outputs and not scheduler_output.lora_loads:  # else admissions wait on it
                 self._wait_for_grammars()
             return outputs
         try:
@@ -106,8 +106,10 @@ class EngineCore:
         self.scheduler.kv_cache_manager.step_done(
             ran=True, tier_copy_seconds=runner_output.tier_copy_seconds
         )
-        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        # The loads first: no sequence runs on an adapter still loading, and a failure below
+        # must not leave one loading for good.
         outputs += self.scheduler.lora_loads_done(scheduler_output, runner_output)
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.last_step_time = time.monotonic()
         self.last_step_duration = self.last_step_time - start

@@ -12,6 +12,7 @@ bounds a batch, and an adapter that running sequences use is never overwritten.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -35,28 +36,35 @@ class LoRASlots:
         self._free = list(range(max_loras - 1, -1, -1))
         self._loads: list[LoRALoad] = []
         self.num_loads = 0  # adapters put in a slot, all steps
-        # Finds (and checks) the folder of an adapter a request names that is not registered:
-        # (folder, key); raises ValueError when there is none. None: only registered names run.
-        self.resolver: Callable[[str], tuple[str, str]] | None = None
+        # Finds (and checks) the folder of an adapter a request names that is not registered;
+        # raises ValueError when there is none. None: only registered names run.
+        self.resolver: Callable[[str], str] | None = None
+        # An adapter's key from its name and folder (the engine's: its files' identity; raises
+        # OSError for a folder it cannot read).
+        self.key_of: Callable[[str, str], str] = lambda name, path: name
 
-    def register(self, name: str, path: str, key: str | None = None) -> None:
-        """Let requests name `name` (again with the same path: nothing changes); `key`: its
-        prefix-cache key (default: the name).
+    def register(self, name: str, path: str) -> None:
+        """Let requests name `name` (again with the same path: nothing changes).
 
         Raises:
             ValueError: `name` is registered with another path.
         """
         if self.paths.get(name) not in (None, path):
             raise ValueError(f"lora_name: {name!r} is already loaded from {self.paths[name]!r}")
-        self.paths[name] = path
-        self.keys.setdefault(name, key or name)
+        if name not in self.paths:
+            self.paths[name] = path
+            self.keys[name] = self.key_of(name, path)
 
     def knows(self, name: str) -> bool:
         """Whether requests may name `name`: registered, or found by the resolver (which
         registers it; ValueError: it found no adapter of that name)."""
         if name not in self.paths and self.resolver is not None:
-            self.register(name, *self.resolver(name))
+            self.register(name, self.resolver(name))
         return name in self.paths
+
+    def waits_for_slot(self, name: str) -> bool:
+        """After `ready` said no: whether no slot could take `name` (else it is loading)."""
+        return name not in self._slot_of
 
     def ready(self, name: str) -> bool:
         """Whether a sequence of `name` may be admitted now: its adapter is loaded in a slot.
@@ -70,7 +78,7 @@ class LoRASlots:
             self._slot_of[name] = slot
             self._users[name] = 0
             self._loading.add(name)
-            self._loads.append(LoRALoad(slot, name, self.paths[name]))
+            self._loads.append(LoRALoad(slot, name, self.paths[name], self.keys[name]))
             self.num_loads += 1
         return False
 
@@ -109,12 +117,15 @@ class LoRASlots:
     def loaded(self, loads: list[LoRALoad], failed_slots: list[int]) -> list[str]:
         """A step ran `loads` (its plan's); those in `failed_slots` left their slot empty on
         some rank. Returns the adapters that failed (out of the slots again: the requests
-        waiting for them end, and the next one to name them tries anew)."""
+        waiting for them end, and the next one to name them tries anew, under the key its
+        folder has then: one trained again in place runs under a new key)."""
         failed = []
         for load in loads:
             self._loading.discard(load.name)
             if load.slot in failed_slots:
                 self._evict(load.name)
+                with contextlib.suppress(OSError):  # gone for now: its key, when it is back
+                    self.keys[load.name] = self.key_of(load.name, load.path)
                 failed.append(load.name)
             elif self._users.get(load.name) == 0:
                 self._idle[load.name] = None

@@ -40,6 +40,7 @@ class LoRALoad:
     slot: int
     name: str
     path: str
+    key: str  # its files' identity when registered: a rank refuses a folder changed since
 
 
 @dataclass

@@ -74,6 +74,7 @@ class Request:
         self.cache_salt = engine_request.cache_salt
         self.lora_name = engine_request.lora_name
         self.lora_slot: int | None = None  # its adapter's slot while it runs (LoRASlots)
+        self.num_slot_waits = 0  # steps it was passed over: no slot could take its adapter
         # What its blocks are hashed with besides its tokens: the adapter's key (set when the
         # scheduler takes it; its name and files' identity); None: the base model.
         self.lora_key: str | None = None

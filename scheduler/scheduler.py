@@ -31,6 +31,10 @@ from pagedray.scheduler.request import Request, RequestStatus
 from pagedray.scheduler.request_failure import FailureKind, RequestFailure, refusal
 from pagedray.scheduler.worker_view import WorkerView
 
+# Steps a request may be passed over because no LoRA slot can take its adapter, before the
+# requests of other adapters wait for it (a bound on its wait, whatever the traffic).
+LORA_MAX_SLOT_WAITS = 64
+
 
 class Scheduler:
     """Owns the waiting queue, the running set and, through `KVCacheManager`, every block table."""
@@ -194,6 +198,10 @@ class Scheduler:
     def _admit_waiting(self, plan: SchedulerOutput, budget: int) -> None:
         # NOTE: an unforked n > 1 prompt counts as the n sequences it becomes after its prefill.
         num_running_seqs = sum(num_seqs(running_req) for running_req in self.running)
+        # Once a request's adapter has found no slot for `LORA_MAX_SLOT_WAITS` steps, no later
+        # adapter request is admitted (base-model ones are) until it is: the slots' sequences
+        # drain and it gets one. Before that, others pass it, as vLLM's, to fill the batch.
+        slot_starved = False
         idx = 0  # NOTE: a request whose grammar is still compiling is passed over, not waited on
         while idx < len(self.waiting) and budget > 0:
             req = self.waiting[idx]
@@ -209,7 +217,11 @@ class Scheduler:
             req_num_seqs = num_seqs(req)
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
-            if not self._lora_ready(req):
+            if req.lora_name is not None and (slot_starved or not self._lora_ready(req)):
+                assert self.lora_slots is not None
+                if not slot_starved and self.lora_slots.waits_for_slot(req.lora_name):
+                    req.num_slot_waits += 1
+                    slot_starved = req.num_slot_waits >= LORA_MAX_SLOT_WAITS
                 idx += 1  # its adapter is loading, or no slot can take it yet: others may go
                 continue
             computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)

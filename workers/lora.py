@@ -35,7 +35,12 @@ from pagedray.workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedray.workers.lora_checkpoint import ADAPTER_WEIGHTS, read_adapter, tensor_module
+from pagedray.workers.lora_checkpoint import (
+    ADAPTER_WEIGHTS,
+    adapter_key,
+    read_adapter,
+    tensor_module,
+)
 from pagedray.workers.model_config import ModelConfig
 from pagedray.workers.parallel_state import TensorParallelGroup
 
@@ -51,7 +56,7 @@ class LoRAStep:
         self.max_loras = max_loras
         self.dtype, self.device = dtype, device
         self.active = False  # some token runs with an adapter
-        self._one_hot: torch.Tensor | None = None  # [tokens, slots]
+        self._others: torch.Tensor | None = None  # [tokens, slots]: True where not its slot
         self._masks: dict[int, torch.Tensor] = {}  # rows per slot -> [tokens, slots * rows]
 
     def set(self, token_slots: np.ndarray) -> None:
@@ -61,16 +66,16 @@ class LoRAStep:
         self._masks = {}
         if not self.active:
             return
-        one_hot = np.zeros((len(token_slots), self.max_loras), dtype=np.float32)
-        one_hot[adapted, token_slots[adapted]] = 1.0
-        self._one_hot = torch.from_numpy(one_hot).to(self.device, self.dtype)
+        others = np.ones((len(token_slots), self.max_loras), dtype=np.bool_)
+        others[adapted, token_slots[adapted]] = False
+        self._others = torch.from_numpy(others).to(self.device)
 
     def mask(self, rows_per_slot: int) -> torch.Tensor:
-        """[tokens, slots * rows_per_slot]: 1 in the columns of each token's own slot."""
+        """[tokens, slots * rows_per_slot]: True in the columns of slots not the token's own."""
         mask = self._masks.get(rows_per_slot)
         if mask is None:
-            assert self._one_hot is not None
-            mask = self._one_hot.repeat_interleave(rows_per_slot, dim=1)
+            assert self._others is not None
+            mask = self._others.repeat_interleave(rows_per_slot, dim=1)
             self._masks[rows_per_slot] = mask
         return mask
 
@@ -99,7 +104,10 @@ class LoRAStack:
             return
         packed_a, packed_b = self._packed
         xa = linear(x, self.a, None, packed_a)  # [tokens, slots * rows]: every slot's
-        xa.mul_(self.step.mask(self.rows_per_slot))  # each token's own slot only
+        # Each token's own slot only: filled, not multiplied, so that another slot's overflow
+        # (fp16) cannot reach it as 0 * inf; B is finite (checked at load), so the other
+        # slots then add an exact 0.
+        xa.masked_fill_(self.step.mask(self.rows_per_slot), 0)
         y.add_(linear(xa, self.b, None, packed_b))
 
     def clear(self, slot: int) -> None:
@@ -199,6 +207,10 @@ class WorkerLoRA:
         """Put the adapter at `load.path` into `load.slot` (replacing what the slot held);
         `load_all` then lays the stacks out for the GEMMs again."""
         adapter = read_adapter(load.name, load.path, self.model_config, self.max_rank)
+        if adapter_key(load.name, adapter.path) != load.key:
+            # Its blocks are hashed under the key of the files registered: new weights under
+            # it would be served for the old ones'. The scheduler takes the new key.
+            raise ValueError(f"{adapter.path} changed since it was registered")
         tensors = load_file(f"{adapter.path}/{ADAPTER_WEIGHTS}")
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for tensor_name, tensor in tensors.items():
@@ -208,10 +220,16 @@ class WorkerLoRA:
             pairs.setdefault(module, {})[kind] = tensor
         self._clear(load.slot)
         dtype = self.step.dtype
+        parts = []
         for module, pair in pairs.items():
-            stack, shard_id, part = self._targets[module]
             a = pair["lora_A"].to(dtype)
             b = (pair["lora_B"].float() * adapter.scaling).to(dtype)
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                # Every token is computed against every slot: one inf would reach them all.
+                raise ValueError(f"{module}: a weight is not finite in {dtype} (scaled)")
+            parts.append((module, a, b))
+        for module, a, b in parts:
+            stack, shard_id, part = self._targets[module]
             stack.set_part(load.slot, shard_id, part, a, b)
 
 

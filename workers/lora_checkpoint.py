@@ -103,11 +103,9 @@ def adapter_key(name: str, path: str) -> str:
     """What an adapter's prefix-cache blocks are hashed with: its name and its weights file's
     size and modification time, so that blocks outliving an engine (the node's KV tiers) are
     never read for an adapter trained again into the same folder. Every process that reads the
-    same file computes the same key (the router's hashes match the engines')."""
-    try:
-        stat = (Path(path) / ADAPTER_WEIGHTS).stat()
-    except OSError:
-        return name
+    same file computes the same key (the router's hashes match the engines'). Raises OSError
+    when the file cannot be read."""
+    stat = (Path(path) / ADAPTER_WEIGHTS).stat()
     return f"{name}@{stat.st_size}:{stat.st_mtime_ns}"
 
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from pagedray.engine.config import EngineConfig
 from pagedray.engine.executor import UniProcExecutor
-from pagedray.engine.lora_adapters import configured_adapters, resolver
+from pagedray.engine.lora_adapters import configured_adapters, serve_adapters
 from pagedray.engine.prompt_validator import PromptValidator
 from pagedray.engine.tokenizer_loading import load_tokenizer, make_validator
 from pagedray.scheduler.engine_core import EngineCore
@@ -108,8 +108,5 @@ def build_engine_core(
         ),
         host_tier=open_tiers(getattr(executor, "kv_tiers", {})),
     )
-    if engine.scheduler.lora_slots is not None:
-        for name, (path, key) in adapters.items():
-            engine.scheduler.lora_slots.register(name, path, key)
-        engine.scheduler.lora_slots.resolver = resolver(config)
+    serve_adapters(engine, config, adapters)
     return engine, executor

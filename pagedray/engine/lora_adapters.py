@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedray.engine.config import EngineConfig
 from pagedray.scheduler.engine_core import EngineCore
@@ -40,45 +41,53 @@ def add_adapter(core: EngineCore, config: EngineConfig, name: str, path: str) ->
     slots = core.scheduler.lora_slots
     if slots is None:
         raise ValueError("lora_request: this engine was built without enable_lora")
-    if slots.paths.get(name) == path:
+    if slots.paths.get(name) == str(Path(path).expanduser().resolve()):
         return  # known already: checked when it was added
     model = ModelConfig.from_pretrained(config.model, config.dtype)
-    adapter = read_adapter(name, path, model, config.max_lora_rank)
-    slots.register(name, adapter.path, adapter_key(name, adapter.path))
+    slots.register(name, read_adapter(name, path, model, config.max_lora_rank).path)
 
 
-def resolver(config: EngineConfig) -> Callable[[str], tuple[str, str]] | None:
+def resolver(config: EngineConfig) -> Callable[[str], str] | None:
     """With `lora_resolver_dir`: the check of an adapter a request names that the engine does
     not know yet (its folder there, checked against the model), as vLLM's filesystem resolver:
-    (folder, prefix-cache key), or a refusal of `model` (the reason in the log, not in the
-    answer: it would show the server's paths); None without one."""
+    the folder, or a refusal of `model` (the reason in the log, not in the answer: it would
+    show the server's paths); None without one."""
     if config.lora_resolver_dir is None:
         return None
     model = ModelConfig.from_pretrained(config.model, config.dtype)
 
-    def resolve(name: str) -> tuple[str, str]:
+    def resolve(name: str) -> str:
         path = config.resolvable_lora(name)
         if path is None:
             raise refusal("model", f"{name!r} does not exist")
         try:
-            folder = read_adapter(name, path, model, config.max_lora_rank).path
+            return read_adapter(name, path, model, config.max_lora_rank).path
         except ValueError as error:
             logger.warning("LoRA adapter %r cannot be used: %s", name, error)
             raise refusal("model", f"{name!r} is no LoRA adapter this model can use") from None
-        return folder, adapter_key(name, folder)
 
     return resolve
 
 
-def configured_adapters(config: EngineConfig) -> dict[str, tuple[str, str]]:
-    """name -> (folder, prefix-cache key) of each adapter `--lora-modules` names, checked
-    against the model (before any rank starts: a misnamed folder fails the engine at once,
-    with its reason)."""
+def configured_adapters(config: EngineConfig) -> dict[str, str]:
+    """name -> folder of each adapter `--lora-modules` names, checked against the model (before
+    any rank starts: a misnamed folder fails the engine at once, with its reason)."""
     if not config.lora_modules:
         return {}
     model = ModelConfig.from_pretrained(config.model, config.dtype)
-    adapters = {}
-    for name, path in config.lora_adapters().items():
-        folder = read_adapter(name, path, model, config.max_lora_rank).path
-        adapters[name] = (folder, adapter_key(name, folder))
-    return adapters
+    return {
+        name: read_adapter(name, path, model, config.max_lora_rank).path
+        for name, path in config.lora_adapters().items()
+    }
+
+
+def serve_adapters(core: EngineCore, config: EngineConfig, adapters: dict[str, str]) -> None:
+    """Let `core`'s requests name `adapters` (checked), and those its resolver finds; their
+    blocks hashed by their files' identity (`adapter_key`)."""
+    slots = core.scheduler.lora_slots
+    if slots is None:
+        return
+    slots.key_of = adapter_key
+    for name, path in adapters.items():
+        slots.register(name, path)
+    slots.resolver = resolver(config)

@@ -143,7 +143,10 @@ class OpenAIServer:
     def _lora_key(self, name: str) -> str:
         """The adapter's key in block hashes, as the engines compute it from its folder."""
         path = self.config.lora_adapters().get(name) or self.config.resolvable_lora(name)
-        return name if path is None else adapter_key(name, str(Path(path).expanduser().resolve()))
+        try:
+            return adapter_key(name, str(Path(path or "").expanduser().resolve()))
+        except OSError:  # not readable here: the engines' hashes will not match the router's
+            return name
 
     def answer_model(self, model: str | None) -> str:
         """The `model` an answer reports: the adapter's name for an adapter's (vLLM's)."""

@@ -2,7 +2,8 @@
 steps (whose loads a rank applies, or fails, or that fail whole), finishes, preemptions and
 forks: a sequence is admitted only once its adapter is loaded, and a rank that applied each
 plan's loads then holds, in every running sequence's slot, that sequence's adapter; a step
-never holds more adapters than slots; a slot a running sequence reads is never loaded over.
+never holds more adapters than slots; a slot a running sequence reads is never loaded over;
+once nothing runs, every adapter is ready after one load (none is left loading).
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def test_every_running_sequence_finds_its_adapter_in_its_slot(max_loras: int, op
     for req in running:
         slots.release(req)
     assert slots.running_adapters() == []
+    # Nothing runs: each adapter is ready after at most one load, and none stays loading.
+    slots.lost(slots.take_loads())
+    for name in ADAPTERS:
+        if not slots.ready(name):
+            assert not slots.waits_for_slot(name)  # a slot took it: it is loading
+            assert slots.loaded(slots.take_loads(), []) == []
+        assert slots.ready(name) and not slots.waits_for_slot(name)
 
 
 def test_a_name_is_not_moved_to_another_path() -> None:
@@ -74,3 +82,38 @@ def test_a_name_is_not_moved_to_another_path() -> None:
     slots.register("a", "/one")
     with pytest.raises(ValueError, match="already loaded from '/one'"):
         slots.register("a", "/two")
+
+
+def test_a_request_whose_adapter_finds_no_slot_waits_a_bounded_time() -> None:
+    """One slot, a request of adapter "a" arriving every step (so "a" always runs), and one of
+    "b": others pass it to fill the batch, but after `LORA_MAX_SLOT_WAITS` steps new "a"
+    requests wait, the slot drains, and "b" runs."""
+    from test_scheduler import StandInWorker
+
+    from pagedray.scheduler.config import SchedulerConfig
+    from pagedray.scheduler.scheduler import LORA_MAX_SLOT_WAITS, Scheduler
+
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=16, enable_lora=True, max_loras=1)
+    scheduler, worker = Scheduler(config, num_kv_blocks=256), StandInWorker(block_size=16)
+    assert scheduler.lora_slots is not None
+    for name in ("a", "b"):
+        scheduler.lora_slots.register(name, f"/adapters/{name}")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ids = itertools.count()
+
+    def add(name: str) -> str:
+        req_id = f"{name}{next(ids)}"
+        scheduler.add_request(Request(EngineRequest(req_id, [1, 2, 3], params, lora_name=name)))
+        return req_id
+
+    add("a")
+    b = add("b")
+    steps, ran = 0, False
+    while not ran and steps < 4 * LORA_MAX_SLOT_WAITS:
+        add("a")
+        plan = scheduler.schedule()
+        output = worker.execute_model(plan)
+        scheduler.lora_loads_done(plan, output)
+        scheduler.update_from_output(plan, output)
+        steps, ran = steps + 1, b in plan.num_scheduled_tokens
+    assert ran and LORA_MAX_SLOT_WAITS <= steps <= LORA_MAX_SLOT_WAITS + 8

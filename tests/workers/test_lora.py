@@ -200,21 +200,55 @@ def test_an_adapter_trained_again_in_its_folder_reads_none_of_the_old_blocks(
     tiny_llama, hf_greedy, tmp_path
 ):
     """The node's KV tier outlives an engine: a later engine serving an adapter of the same name
-    from the same folder, rewritten since, computes its prompt anew (its key holds the weights
-    file's identity), so its tokens are the new adapter's."""
+    from the same folder reads the blocks an earlier one left (the adapter unchanged), and none
+    once the folder is rewritten, as a retrain does (same rank: same file size): its key holds
+    the weights file's identity, so its tokens are the new adapter's. A running engine whose
+    slot loads the adapter again refuses the changed folder once (the requests waiting for it
+    end), then serves the new weights under the new key."""
     folder = tmp_path / "adapter"
     prompts = _prompts(3, seed=6)[2:]
+    request = LoRARequest("a", 1, str(make_lora_adapter(tiny_llama, folder)))
     first = LLM(tiny_llama, dtype="float32", enable_lora=True, num_kv_blocks=32)
-    old = _tokens(first, prompts, LoRARequest("a", 1, str(make_lora_adapter(tiny_llama, folder))))
+    old = _tokens(first, prompts, request)
     first.shutdown()  # its pool's blocks go to the node's host tier
-    make_lora_adapter(tiny_llama, folder, rank=4, seed=9)  # trained again, in place
+    again = LLM(tiny_llama, dtype="float32", enable_lora=True, num_kv_blocks=32, max_loras=1)
+    assert _tokens(again, prompts, request) == old
+    assert again.stats()["external_prefix_cache_hits"] > 0  # the unchanged adapter's blocks
+    other = LoRARequest("b", 2, str(make_lora_adapter(tiny_llama, tmp_path / "b", seed=3)))
+    _tokens(again, prompts, other)  # "a" leaves the one slot
+    make_lora_adapter(tiny_llama, folder, seed=9)  # trained again, in place, the same size
     merged = merged_checkpoint(tiny_llama, str(folder), tmp_path / "merged")
     want = hf_greedy(merged, prompts, MAX_NEW)
     assert want != old
-    second = LLM(tiny_llama, dtype="float32", enable_lora=True, num_kv_blocks=32)
-    assert _tokens(second, prompts, LoRARequest("a", 1, str(folder))) == want
-    assert second.stats()["external_prefix_cache_hits"] == 0
-    second.shutdown()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    (refused,) = again.generate(requests, params, use_tqdm=False, lora_request=request)
+    assert refused.error == "the LoRA adapter 'a' could not be loaded"
+    assert _tokens(again, prompts, request) == want
+    again.shutdown()
+    fresh = LLM(tiny_llama, dtype="float32", enable_lora=True, num_kv_blocks=32)
+    assert _tokens(fresh, prompts, request) == want
+    fresh.shutdown()
+
+
+def test_a_weight_that_is_not_finite_fails_its_adapter_not_its_neighbours(tiny_llama, tmp_path):
+    """Every token is computed against every slot: an adapter with an inf would reach them
+    all, so its load fails (its requests end) and the base model's tokens stay as they were."""
+    adapter = make_lora_adapter(tiny_llama, tmp_path / "inf")
+    weights = load_file(str(adapter / ADAPTER_WEIGHTS))
+    name = next(n for n in sorted(weights) if ".lora_B." in n)
+    weights[name][0, 0] = float("inf")
+    save_file(weights, str(adapter / ADAPTER_WEIGHTS))
+    llm = LLM(tiny_llama, dtype="float32", enable_lora=True, max_loras=2)
+    prompt = _prompts(2, seed=7)
+    base = _tokens(llm, prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompt]
+    outputs = llm.generate(
+        requests, params, use_tqdm=False, lora_request=[LoRARequest("inf", 1, str(adapter)), None]
+    )
+    assert outputs[0].error == "the LoRA adapter 'inf' could not be loaded"
+    assert outputs[1].outputs[0].token_ids == base[1]
 
 
 @pytest.mark.usefixtures("exact_attention")

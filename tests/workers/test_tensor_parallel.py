@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from pagedray.workers.lora_checkpoint import make_lora_adapter
+from pagedray.workers.lora_checkpoint import adapter_key, make_lora_adapter
 
 BLOCK_SIZE = 16
 BLOCK_TABLES = [[5, 1, 9], [2, 7, 0]]
@@ -90,7 +90,8 @@ def _run(path: Path, tp, adapter: str | None = None) -> list[torch.Tensor]:
     lora = None
     if adapter is not None:
         lora = WorkerLoRA(model, config, max_loras=2, max_rank=8)
-        assert lora.load_all([LoRALoad(1, "a", adapter)]) == {}  # agreed over the ranks
+        load = LoRALoad(1, "a", adapter, adapter_key("a", adapter))
+        assert lora.load_all([load]) == {}  # agreed over the ranks
     kv_cache = torch.zeros(model.kv_cache_shape(10, BLOCK_SIZE))
     logits = []
     for input_ids, positions, metadata in _step_inputs(config.vocab_size):
