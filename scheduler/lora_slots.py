@@ -21,11 +21,18 @@ from pagedray.scheduler.request import Request
 
 
 class LoRASlots:
-    """The adapters an engine knows and which of them each slot holds."""
+    """The adapters an engine knows and which of them each slot holds.
+
+    An adapter is known by an id: its name, or, for one found in the resolver's folder, its
+    name and the folder the name leads to when a request names it, so that a name pointed at
+    another folder at run time (`/v1/load_lora_adapter`) is another adapter, and a request
+    runs with the one its name meant when it arrived.
+    """
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
-        self.paths: dict[str, str] = {}  # every adapter requests may name: its folder
+        self.paths: dict[str, str] = {}  # adapter id -> its folder
+        self._names: dict[str, str] = {}  # adapter id -> the name requests give it
         # What its prefix-cache blocks are hashed with: its name and its files' identity, so a
         # folder rewritten in place (an adapter trained again) shares no blocks with before.
         self.keys: dict[str, str] = {}
@@ -36,31 +43,42 @@ class LoRASlots:
         self._free = list(range(max_loras - 1, -1, -1))
         self._loads: list[LoRALoad] = []
         self.num_loads = 0  # adapters put in a slot, all steps
-        # Finds (and checks) the folder of an adapter a request names that is not registered;
-        # raises ValueError when there is none. None: only registered names run.
+        # The resolver's folder: where a name not registered leads now (None: nowhere), and the
+        # check of that folder (ValueError: no adapter this model can use). None: none.
+        self.locate: Callable[[str], str | None] | None = None
         self.resolver: Callable[[str], str] | None = None
         # An adapter's key from its name and folder (the engine's: its files' identity; raises
         # OSError for a folder it cannot read).
         self.key_of: Callable[[str, str], str] = lambda name, path: name
 
-    def register(self, name: str, path: str) -> None:
-        """Let requests name `name` (again with the same path: nothing changes).
+    def register(self, name: str, path: str, adapter: str | None = None) -> None:
+        """Let requests name `name`, the adapter at `path` (again with the same path: nothing
+        changes); `adapter`: its id (default: the name).
 
         Raises:
             ValueError: `name` is registered with another path.
         """
-        if self.paths.get(name) not in (None, path):
-            raise ValueError(f"lora_name: {name!r} is already loaded from {self.paths[name]!r}")
-        if name not in self.paths:
-            self.paths[name] = path
-            self.keys[name] = self.key_of(name, path)
+        adapter = adapter or name
+        if self.paths.get(adapter) not in (None, path):
+            raise ValueError(f"lora_name: {name!r} is already loaded from {self.paths[adapter]!r}")
+        if adapter not in self.paths:
+            self.paths[adapter] = path
+            self._names[adapter] = name
+            self.keys[adapter] = self.key_of(name, path)
 
-    def knows(self, name: str) -> bool:
-        """Whether requests may name `name`: registered, or found by the resolver (which
-        registers it; ValueError: it found no adapter of that name)."""
-        if name not in self.paths and self.resolver is not None:
-            self.register(name, self.resolver(name))
-        return name in self.paths
+    def adapter_id(self, name: str) -> str | None:
+        """The adapter a request naming `name` runs with: a registered one, else the one the
+        resolver's folder holds under that name now (checked and registered; ValueError: it
+        is no adapter this model can use); None: no adapter of that name."""
+        if name not in self.paths and self.locate is not None and self.resolver is not None:
+            folder = self.locate(name)
+            if folder is None:
+                return None
+            adapter = f"{name}@{folder}"
+            if adapter not in self.paths:
+                self.register(name, self.resolver(name), adapter)
+            return adapter
+        return name if name in self.paths else None
 
     def waits_for_slot(self, name: str) -> bool:
         """After `ready` said no: whether no slot could take `name` (else it is loading)."""
@@ -78,13 +96,14 @@ class LoRASlots:
             self._slot_of[name] = slot
             self._users[name] = 0
             self._loading.add(name)
-            self._loads.append(LoRALoad(slot, name, self.paths[name], self.keys[name]))
+            load = LoRALoad(slot, name, self._names[name], self.paths[name], self.keys[name])
+            self._loads.append(load)
             self.num_loads += 1
         return False
 
     def acquire(self, req: Request) -> None:
         """Give an admitted sequence its adapter's slot; call only once `ready`."""
-        name = req.lora_name
+        name = req.lora_id
         assert name is not None and self.ready(name)
         self._idle.pop(name, None)
         self._users[name] += 1
@@ -92,16 +111,16 @@ class LoRASlots:
 
     def fork(self, parent: Request, children: list[Request]) -> None:
         """A prefilled n > 1 prompt became `children`: each holds the parent's slot."""
-        if parent.lora_name is None or parent.lora_slot is None:
+        if parent.lora_id is None or parent.lora_slot is None:
             return
         for child in children:
             child.lora_slot = parent.lora_slot
-        self._users[parent.lora_name] += len(children) - 1
+        self._users[parent.lora_id] += len(children) - 1
         parent.lora_slot = None
 
     def release(self, req: Request) -> None:
         """A sequence left the running set (finished or preempted)."""
-        name = req.lora_name
+        name = req.lora_id
         if name is None or req.lora_slot is None:
             return
         req.lora_slot = None
@@ -121,24 +140,24 @@ class LoRASlots:
         folder has then: one trained again in place runs under a new key)."""
         failed = []
         for load in loads:
-            self._loading.discard(load.name)
+            self._loading.discard(load.adapter)
             if load.slot in failed_slots:
-                self._evict(load.name)
+                self._evict(load.adapter)
                 with contextlib.suppress(OSError):  # gone for now: its key, when it is back
-                    self.keys[load.name] = self.key_of(load.name, load.path)
-                failed.append(load.name)
-            elif self._users.get(load.name) == 0:
-                self._idle[load.name] = None
+                    self.keys[load.adapter] = self.key_of(load.name, load.path)
+                failed.append(load.adapter)
+            elif self._users.get(load.adapter) == 0:
+                self._idle[load.adapter] = None
         return failed
 
     def lost(self, loads: list[LoRALoad]) -> None:
         """The step that carried `loads` failed before they ran: out of the slots again."""
         for load in loads:
-            self._loading.discard(load.name)
-            self._evict(load.name)
+            self._loading.discard(load.adapter)
+            self._evict(load.adapter)
 
     def running_adapters(self) -> list[str]:
-        return sorted(name for name, users in self._users.items() if users)
+        return sorted({self._names[adapter] for adapter, users in self._users.items() if users})
 
     def stats(self) -> dict[str, float]:
         """Adapters running now, and adapters put in a slot so far (a count that climbs with
@@ -156,4 +175,4 @@ class LoRASlots:
         self._idle.pop(name, None)
         self._free.append(slot)
         # A load of it still unsent must not overwrite whatever takes the slot next.
-        self._loads = [load for load in self._loads if load.name != name]
+        self._loads = [load for load in self._loads if load.adapter != name]

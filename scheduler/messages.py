@@ -38,9 +38,10 @@ class LoRALoad:
     """Load a LoRA adapter (a PEFT folder) into one of every rank's slots before the step."""
 
     slot: int
-    name: str
+    adapter: str  # its id in the slot table (scheduler/lora_slots.py)
+    name: str  # the name requests give it
     path: str
-    key: str  # its files' identity when registered: a rank refuses a folder changed since
+    key: str  # its name and files' identity when registered: a rank refuses a folder changed
 
 
 @dataclass

@@ -73,6 +73,7 @@ class Request:
         self.priority = engine_request.priority
         self.cache_salt = engine_request.cache_salt
         self.lora_name = engine_request.lora_name
+        self.lora_id: str | None = None  # its adapter's id in the slot table (LoRASlots)
         self.lora_slot: int | None = None  # its adapter's slot while it runs (LoRASlots)
         self.num_slot_waits = 0  # steps it was passed over: no slot could take its adapter
         # What its blocks are hashed with besides its tokens: the adapter's key (set when the
@@ -178,7 +179,7 @@ class Request:
             parent_req_id=self.req_id,
             choice_index=choice_index,
         )
-        child.lora_key = self.lora_key
+        child.lora_id, child.lora_key = self.lora_id, self.lora_key
         child.thinking_left = self.thinking_left
         child.output_thinking_seen = self.output_thinking_seen
         child.num_computed_tokens = self.num_computed_tokens

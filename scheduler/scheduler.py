@@ -89,12 +89,12 @@ class Scheduler:
         self.check_limits(req.num_tokens, req.sampling_params.n)
         if req.output_token_ids and req.sampling_params.n != 1:
             raise refusal("n", "only a request of one choice resumes from its output")
-        if req.lora_name is not None and (
-            self.lora_slots is None or not self.lora_slots.knows(req.lora_name)
-        ):
-            raise refusal("model", f"no LoRA adapter {req.lora_name!r} is loaded")
-        if req.lora_name is not None and self.lora_slots is not None:
-            req.lora_key = self.lora_slots.keys[req.lora_name]
+        if req.lora_name is not None:
+            adapter = None if self.lora_slots is None else self.lora_slots.adapter_id(req.lora_name)
+            if adapter is None:
+                raise refusal("model", f"no LoRA adapter {req.lora_name!r} is loaded")
+            assert self.lora_slots is not None
+            req.lora_id, req.lora_key = adapter, self.lora_slots.keys[adapter]
         if req.thinking_left is not None and self.structured is None:
             raise refusal("thinking_token_budget", "this engine was built without a tokenizer")
         constraint = req.sampling_params.structured_outputs
@@ -217,9 +217,9 @@ class Scheduler:
             req_num_seqs = num_seqs(req)
             if self.running and num_running_seqs + req_num_seqs > self.config.max_num_seqs:
                 break
-            if req.lora_name is not None and (slot_starved or not self._lora_ready(req)):
+            if req.lora_id is not None and (slot_starved or not self._lora_ready(req)):
                 assert self.lora_slots is not None
-                if not slot_starved and self.lora_slots.waits_for_slot(req.lora_name):
+                if not slot_starved and self.lora_slots.waits_for_slot(req.lora_id):
                     req.num_slot_waits += 1
                     slot_starved = req.num_slot_waits >= LORA_MAX_SLOT_WAITS
                 idx += 1  # its adapter is loading, or no slot can take it yet: others may go
@@ -234,7 +234,7 @@ class Scheduler:
             if allocation is None:
                 break
             self.waiting.pop(idx)
-            if self.lora_slots is not None and req.lora_name is not None:
+            if self.lora_slots is not None and req.lora_id is not None:
                 self.lora_slots.acquire(req)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # first admission (not a preempted one's return)
@@ -249,9 +249,9 @@ class Scheduler:
     def _lora_ready(self, req: Request) -> bool:
         """Whether `req`'s adapter (if any) is loaded in a slot; if not, the next plan loads it
         where a slot can take it."""
-        if req.lora_name is None or self.lora_slots is None:
+        if req.lora_id is None or self.lora_slots is None:
             return True
-        return self.lora_slots.ready(req.lora_name)
+        return self.lora_slots.ready(req.lora_id)
 
     def _plan(
         self, plan: SchedulerOutput, req: Request, allocation: Allocation, num_new: int
@@ -323,7 +323,7 @@ class Scheduler:
             scheduler_output.lora_loads, runner_output.lora_load_failures
         )
         outputs = []
-        for req in [r for r in self.waiting if r.lora_name in failed]:
+        for req in [r for r in self.waiting if r.lora_id in failed]:
             if not req.is_finished:
                 message = f"the LoRA adapter {req.lora_name!r} could not be loaded"
                 failure = RequestFailure(FailureKind.INTERNAL, message)

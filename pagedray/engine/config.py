@@ -35,6 +35,8 @@ _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 SliceT = TypeVar("SliceT")
 # vLLM's folder of adapters that requests may name (its filesystem LoRA resolver).
 LORA_RESOLVER_ENV = "VLLM_LORA_RESOLVER_CACHE_DIR"
+# vLLM's switch of the HTTP routes that load and unload adapters at run time.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def human_readable_int(value: Any) -> Any:
@@ -303,6 +305,13 @@ class EngineConfig(BaseModel):
         "runs with it, loaded when first named (vLLM's VLLM_LORA_RESOLVER_CACHE_DIR, read "
         "when this is unset)",
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter link and unlink "
+        "adapters in --lora-resolver-dir at run time (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, "
+        "read when this is unset); whoever holds the API key may then have the server read any "
+        "folder it can",
+    )
     max_loras: int = Field(1, ge=1, description="LoRA adapters in one step (device slots)")
     max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
 
@@ -413,19 +422,30 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _vllm_lora_resolver_dir(cls, values: Any) -> Any:
-        # vLLM's filesystem resolver reads its folder from the environment.
+    def _vllm_lora_environment(cls, values: Any) -> Any:
+        # vLLM's filesystem resolver reads its folder from the environment, and its routes
+        # that load adapters at run time are switched on there (here they link into it).
+        if not isinstance(values, dict) or not values.get("enable_lora"):
+            return values
         folder = os.environ.get(LORA_RESOLVER_ENV)
-        unset = isinstance(values, dict) and values.get("lora_resolver_dir") is None
-        if unset and folder and values.get("enable_lora"):
+        if values.get("lora_resolver_dir") is None and folder:
             values = {**values, "lora_resolver_dir": folder}
+        allowed = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes")
+        if values.get("allow_runtime_lora_updating") is None and allowed:
+            runtime = bool(values.get("lora_resolver_dir"))
+            values = {**values, "allow_runtime_lora_updating": runtime}
         return values
 
     @model_validator(mode="after")
     def _lora_adapters(self) -> EngineConfig:
-        for name in ("lora_modules", "lora_resolver_dir"):
+        for name in ("lora_modules", "lora_resolver_dir", "allow_runtime_lora_updating"):
             if getattr(self, name) and not self.enable_lora:
                 raise ValueError(f"{name}: requires enable_lora")
+        if self.allow_runtime_lora_updating and self.lora_resolver_dir is None:
+            raise ValueError(
+                "allow_runtime_lora_updating: requires lora_resolver_dir (the folder it links "
+                "adapters into, which every replica reads)"
+            )
         names = set(self.served_names())
         for name in self.lora_adapters():
             if name in names:
@@ -433,12 +453,20 @@ class EngineConfig(BaseModel):
             names.add(name)
         return self
 
+    def resolvable_name(self, name: str) -> str | None:
+        """The path `name` names in `lora_resolver_dir`; None for a name that could leave it
+        (one plain folder name only), or without one."""
+        if self.lora_resolver_dir is None or not _ADAPTER_NAME.fullmatch(name) or ".." in name:
+            return None
+        return str(Path(self.lora_resolver_dir) / name)
+
     def resolvable_lora(self, name: str) -> str | None:
         """The folder of `lora_resolver_dir` that `name` names, if it holds an adapter; None
         for any other name (one that could leave the folder is no adapter's)."""
-        if self.lora_resolver_dir is None or not _ADAPTER_NAME.fullmatch(name) or ".." in name:
+        path = self.resolvable_name(name)
+        if path is None:
             return None
-        folder = Path(self.lora_resolver_dir) / name
+        folder = Path(path)
         try:
             return str(folder) if (folder / "adapter_config.json").is_file() else None
         except OSError:  # unreadable here: no adapter this server can serve

@@ -9,6 +9,8 @@ requests pick one by `model`.
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,3 +93,56 @@ def serve_adapters(core: EngineCore, config: EngineConfig, adapters: dict[str, s
     for name, path in adapters.items():
         slots.register(name, path)
     slots.resolver = resolver(config)
+    if slots.resolver is not None:
+        slots.locate = lambda name: located(config, name)
+
+
+def located(config: EngineConfig, name: str) -> str | None:
+    """The folder `name` leads to in `lora_resolver_dir` now (links followed), if it holds an
+    adapter."""
+    path = config.resolvable_lora(name)
+    return None if path is None else str(Path(path).resolve())
+
+
+def link_adapter(config: EngineConfig, name: str, path: str, replace: bool = False) -> None:
+    """vLLM's `/v1/load_lora_adapter`: the adapter at `path` (checked against the model) linked
+    into `lora_resolver_dir` as `name`, which every engine's resolver then finds; `replace`
+    (vLLM's `load_inplace`): a name linked before is pointed at `path` (requests that arrive
+    after run with it; those before keep theirs).
+
+    Raises:
+        ValueError: the name is taken (a served model, a `--lora-modules` adapter, a folder
+            of the resolver's own, or, without `replace`, a link), or the adapter does not fit.
+    """
+    root = Path(config.lora_resolver_dir or "")
+    if not config.allow_runtime_lora_updating or not config.lora_resolver_dir:
+        raise refusal("lora_name", "loading LoRA adapters at run time is off on this server")
+    if config.resolvable_name(name) is None:
+        raise refusal("lora_name", f"{name!r} is not a plain folder name")
+    link = root / name
+    taken = name in config.served_names() or name in config.lora_adapters()
+    if taken or (link.exists() and not link.is_symlink()) or (link.is_symlink() and not replace):
+        raise refusal("lora_name", f"The lora adapter '{name}' has already been loaded.")
+    model = ModelConfig.from_pretrained(config.model, config.dtype)
+    folder = read_adapter(name, path, model, config.max_lora_rank).path
+    staged = root / f".{name}.{uuid.uuid4().hex}"
+    os.symlink(folder, staged)
+    os.replace(staged, link)  # at once: a resolver sees the old link or the new one
+
+
+def unlink_adapter(config: EngineConfig, name: str) -> None:
+    """vLLM's `/v1/unload_lora_adapter`: the link `link_adapter` made, removed; requests that
+    arrive after cannot name it (those before run on).
+
+    Raises:
+        LookupError: no adapter of that name was loaded at run time.
+        ValueError: the name is an adapter this server was started with.
+    """
+    if not config.allow_runtime_lora_updating or not config.lora_resolver_dir:
+        raise refusal("lora_name", "loading LoRA adapters at run time is off on this server")
+    link = Path(config.lora_resolver_dir) / name
+    if config.resolvable_name(name) is None or not (link.is_symlink() or link.exists()):
+        raise LookupError(f"The lora adapter '{name}' cannot be found.")
+    if not link.is_symlink() or name in config.lora_adapters():
+        raise refusal("lora_name", f"{name!r} was not loaded at run time: it stays")
+    link.unlink()

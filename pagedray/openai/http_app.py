@@ -25,7 +25,16 @@ from pagedray.openai.protocol import (
 )
 from pagedray.openai.request_ids import RequestIdHeaders
 from pagedray.openai.responses_api import ResponsesRequest
-from pagedray.openai.routes import anthropic, chat, completions, operations, responses, tokenizer
+from pagedray.openai.routes import (
+    anthropic,
+    chat,
+    completions,
+    lora_adapters,
+    operations,
+    responses,
+    tokenizer,
+)
+from pagedray.openai.routes.lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedray.openai.schema import declare_request_models
 from pagedray.openai.server import OpenAIServer, openai_server
 from pagedray.openai.serving import HTTPMetricsMiddleware, IngressMetrics
@@ -37,6 +46,7 @@ ROUTERS = (
     anthropic.router,
     tokenizer.router,
     operations.router,
+    lora_adapters.router,
 )
 
 
@@ -77,6 +87,8 @@ def openai_fastapi_app(
             DetokenizeRequest,
             MessagesRequest,
             CountTokensRequest,
+            LoadLoRAAdapterRequest,
+            UnloadLoRAAdapterRequest,
         ],
     )
     # Unknown paths and methods answer in OpenAI's error shape too.

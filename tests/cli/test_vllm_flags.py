@@ -130,6 +130,14 @@ def test_lora_settings_as_vllm_s(monkeypatch: pytest.MonkeyPatch) -> None:
         "/loras"
     )
     assert validated(EngineConfig, {"model": MODEL}).lora_resolver_dir is None
+    # vLLM's switch of the run-time routes: on where there is a folder to link adapters into.
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    lora_on = {"model": MODEL, "enable_lora": True}
+    assert validated(EngineConfig, lora_on).allow_runtime_lora_updating
+    monkeypatch.delenv("VLLM_LORA_RESOLVER_CACHE_DIR")
+    assert not validated(EngineConfig, lora_on).allow_runtime_lora_updating
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating: requires lora_resolver"):
+        validated(EngineConfig, {**lora_on, "allow_runtime_lora_updating": True})
     refusals = [
         ({"lora_modules": ["a=/l/a"]}, "lora_modules: requires enable_lora"),
         ({"enable_lora": True, "lora_modules": ["a"]}, "lora_modules: 'a' is not name=path"),

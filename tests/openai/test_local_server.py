@@ -22,6 +22,7 @@ from pagedray.engine.config import EngineConfig
 from pagedray.openai.ingress_guard import GuardSettings, api_key_digest
 from pagedray.openai.local_app import local_openai_app
 from pagedray.openai.server import OpenAIServer
+from pagedray.workers.lora_checkpoint import make_lora_adapter
 
 KEY = "sk-local"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -45,6 +46,7 @@ def served(
         enable_lora=True,
         lora_modules=[f"x-lora={tiny_lora}"],
         lora_resolver_dir=str(root / "resolved"),
+        allow_runtime_lora_updating=True,
     )
     app = local_openai_app(config, guard=GuardSettings(api_key_digest(KEY)))
     with TestClient(app) as http:  # its lifespan stops the engine at the end
@@ -535,3 +537,74 @@ def test_a_lora_adapter_is_a_model_clients_name(
     with pytest.raises(openai.BadRequestError, match="'broken' is no LoRA adapter this model can"):
         sdk.chat.completions.create(model="broken", **chat)
     assert _all_blocks_free(served[0])
+
+
+def test_lora_adapters_loaded_and_unloaded_at_run_time(
+    served: tuple[TestClient, OpenAIServer], offline: LLM, tiny_llama: str, tmp_path: Any
+) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: an adapter loaded serves as a
+    model (linked into the resolver's folder, which every engine reads), `load_inplace` points
+    the name at new weights for the requests after, unloaded it is gone; a name already taken
+    or an adapter that does not fit is refused, and so is unloading one the server started
+    with."""
+    http = served[0]
+    first = make_lora_adapter(tiny_llama, tmp_path / "first", seed=21)
+    second = make_lora_adapter(tiny_llama, tmp_path / "second", seed=22)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [
+        offline.generate(
+            [{"prompt_token_ids": PROMPT}],
+            params,
+            use_tqdm=False,
+            lora_request=LoRARequest(n, i, str(p)),
+        )[0]
+        .outputs[0]
+        .token_ids
+        for i, (n, p) in enumerate([("first", first), ("second", second)])
+    ]
+
+    def load(name: str, path: Any, **extra: Any) -> Any:
+        body = {"lora_name": name, "lora_path": str(path), **extra}
+        return http.post("/v1/load_lora_adapter", json=body, headers=AUTH)
+
+    def tokens(model: str) -> Any:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        answer = http.post(
+            "/v1/completions",
+            json={**body, "ignore_eos": True, "return_token_ids": True},
+            headers=AUTH,
+        )
+        return (
+            answer.json()["choices"][0]["token_ids"]
+            if answer.status_code == 200
+            else answer.status_code
+        )
+
+    answer = load("rl", first)
+    assert answer.status_code == 200, answer.text
+    assert answer.text == "Success: LoRA adapter 'rl' added successfully."
+    assert tokens("rl") == want[0]
+    taken = load("rl", second).json()["error"]
+    assert taken["message"].endswith("The lora adapter 'rl' has already been loaded.")
+    assert taken["param"] == "lora_name"
+    for taken in ("x", "x-lora", "a"):  # served, --lora-modules, a folder of the resolver's
+        assert load(taken, second).status_code == 400
+    assert load("../escape", second).status_code == 400
+    refused = load("bad", tmp_path).json()["error"]
+    assert (
+        refused["message"].startswith("lora_path: ") and "adapter_config.json" in refused["message"]
+    )
+    assert load("rl", second, load_inplace=True).status_code == 200
+    assert tokens("rl") == want[1]
+    unload = {"lora_name": "rl"}
+    answer = http.post("/v1/unload_lora_adapter", json=unload, headers=AUTH)
+    assert answer.text == "Success: LoRA adapter 'rl' removed successfully."
+    assert tokens("rl") == 404
+    gone = http.post("/v1/unload_lora_adapter", json=unload, headers=AUTH)
+    assert (
+        gone.status_code == 404
+        and gone.json()["error"]["message"] == "The lora adapter 'rl' cannot be found."
+    )
+    stays = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=AUTH)
+    assert stays.status_code == 400 and tokens("a") != 404
+    assert _all_blocks_free(http)

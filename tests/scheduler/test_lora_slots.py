@@ -42,6 +42,7 @@ def test_every_running_sequence_finds_its_adapter_in_its_slot(max_loras: int, op
         name = ADAPTERS[pick % len(ADAPTERS)]
         if op == "admit" and slots.ready(name):
             req = Request(EngineRequest(str(next(ids)), [1, 2], SamplingParams(), lora_name=name))
+            req.lora_id = name  # registered by name: its id (Scheduler.add_request sets it)
             slots.acquire(req)
             running.append(req)
         elif op in ("step", "fail_load"):
@@ -50,8 +51,8 @@ def test_every_running_sequence_finds_its_adapter_in_its_slot(max_loras: int, op
             for load in loads:
                 assert 0 <= load.slot < max_loras
                 assert all(req.lora_slot != load.slot for req in running)  # none reads it
-                rank[load.slot] = "(empty)" if load.slot in failed else load.name
-            assert slots.loaded(loads, failed) == [load.name for load in loads[: len(failed)]]
+                rank[load.slot] = "(empty)" if load.slot in failed else load.adapter
+            assert slots.loaded(loads, failed) == [load.adapter for load in loads[: len(failed)]]
         elif op == "lost_step":
             slots.lost(slots.take_loads())
         elif op == "end" and running:  # a finish or a preemption: the same to the slots

@@ -90,7 +90,7 @@ def _run(path: Path, tp, adapter: str | None = None) -> list[torch.Tensor]:
     lora = None
     if adapter is not None:
         lora = WorkerLoRA(model, config, max_loras=2, max_rank=8)
-        load = LoRALoad(1, "a", adapter, adapter_key("a", adapter))
+        load = LoRALoad(1, "a", "a", adapter, adapter_key("a", adapter))
         assert lora.load_all([load]) == {}  # agreed over the ranks
     kv_cache = torch.zeros(model.kv_cache_shape(10, BLOCK_SIZE))
     logits = []
