@@ -56,7 +56,10 @@ def read_adapter(name: str, path: str, model: ModelConfig, max_lora_rank: int) -
     Raises:
         ValueError: "lora_path: ..." saying what is missing or does not fit.
     """
-    folder = Path(path).expanduser().resolve()
+    try:
+        folder = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as error:  # a loop of links, a NUL byte
+        raise ValueError(f"lora_path: {path!r} cannot be resolved: {error}") from None
     config = _adapter_config(folder)
     rank = config.get("r")
     alpha = config.get("lora_alpha", rank)
@@ -193,7 +196,7 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
         config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise _unfit(folder, f"no {ADAPTER_CONFIG} (a PEFT adapter folder is expected)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is one
         raise _unfit(folder, f"{ADAPTER_CONFIG} cannot be read: {error}") from None
     if not isinstance(config, dict):
         raise _unfit(folder, f"{ADAPTER_CONFIG} is not a JSON object")

@@ -126,8 +126,12 @@ def link_adapter(config: EngineConfig, name: str, path: str, replace: bool = Fal
     model = ModelConfig.from_pretrained(config.model, config.dtype)
     folder = read_adapter(name, path, model, config.max_lora_rank).path
     staged = root / f".{name}.{uuid.uuid4().hex}"
-    os.symlink(folder, staged)
-    os.replace(staged, link)  # at once: a resolver sees the old link or the new one
+    try:
+        os.symlink(folder, staged)
+        os.replace(staged, link)  # at once: a resolver sees the old link or the new one
+    except OSError as error:
+        message = f"cannot link {name!r} into the resolver's folder: {error}"
+        raise refusal("lora_name", message) from None
 
 
 def unlink_adapter(config: EngineConfig, name: str) -> None:
@@ -145,4 +149,9 @@ def unlink_adapter(config: EngineConfig, name: str) -> None:
         raise LookupError(f"The lora adapter '{name}' cannot be found.")
     if not link.is_symlink() or name in config.lora_adapters():
         raise refusal("lora_name", f"{name!r} was not loaded at run time: it stays")
-    link.unlink()
+    try:
+        link.unlink()
+    except FileNotFoundError:  # unloaded meanwhile, by another replica
+        raise LookupError(f"The lora adapter '{name}' cannot be found.") from None
+    except OSError as error:
+        raise refusal("lora_name", f"cannot unlink {name!r}: {error}") from None

@@ -38,11 +38,15 @@ OPERATIONS = [
     ("POST", "/ping"),
     ("GET", "/version"),
     ("GET", "/stats"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
 ]
 
 
 @pytest.fixture(scope="module")
-def fuzz_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+def fuzz_url(
+    serve_url: str, tiny_llama: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     yield from deploy_tiny(
         serve_url,
         "fuzz",
@@ -51,6 +55,10 @@ def fuzz_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
         num_kv_blocks=NUM_KV_BLOCKS,
         max_model_len=128,  # a generation is at most 128 steps
         max_num_seqs=4,
+        # The routes that link adapters into a folder, fuzzed with it on.
+        enable_lora=True,
+        lora_resolver_dir=str(tmp_path_factory.mktemp("fuzz_loras")),
+        allow_runtime_lora_updating=True,
     )
 
 
