@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -161,10 +162,24 @@ class OpenAIServer:
         max_model_len = await self.learn_limits()
         root, names = self.config.model, self.config.served_names()
         cards = [ModelCard(id=n, root=root, max_model_len=max_model_len) for n in names]
+        adapters = await self.in_thread(self._lora_adapters)
         return cards + [
             ModelCard(id=name, root=path, parent=self.model_name, max_model_len=max_model_len)
-            for name, path in self.config.lora_adapters().items()
+            for name, path in adapters.items()
         ]
+
+    def _lora_adapters(self) -> dict[str, str]:
+        """name -> folder of every adapter requests may name: `--lora-modules`', then the
+        resolver's folder's (those loaded at run time among them), as vLLM lists its loaded
+        ones."""
+        adapters = dict(self.config.lora_adapters())
+        root = self.config.lora_resolver_dir
+        names = sorted(os.listdir(root)) if root and os.path.isdir(root) else []
+        for name in names:
+            path = self.config.resolvable_lora(name)
+            if path is not None and name not in adapters:
+                adapters[name] = str(Path(path).resolve())
+        return adapters
 
     async def start_chat(
         self,

@@ -164,7 +164,7 @@ def test_refusals_name_their_field_and_the_server_serves_on(
     assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401  # no key
     assert http.get("/health").json() == {"status": "ok"}  # no key needed
     assert http.get("/metrics").status_code == 503  # Ray's metrics export serves them
-    card, _ = sdk.models.list().data  # the base model, then its LoRA adapter
+    card = sdk.models.list().data[0]  # the base model, then its LoRA adapters
     assert card.id == sdk.models.retrieve(card.id).id == "x"
     assert sdk.completions.create(model="x", prompt="hi", max_tokens=2).choices[0].text is not None
     assert _all_blocks_free(http)
@@ -490,7 +490,7 @@ def test_a_lora_adapter_is_a_model_clients_name(
     """`--lora-modules` adapters are listed as models of their base, answer as themselves,
     token-exact with the offline `LoRARequest`, streamed as whole, beside the base model."""
     cards = {card.id: card for card in sdk.models.list().data}
-    assert set(cards) == {"x", "x-lora"}
+    assert set(cards) >= {"x", "x-lora", "a"}  # "a": a folder of the resolver's
     assert cards["x-lora"].model_dump()["parent"] == "x"
     assert cards["x-lora"].model_dump()["root"] == tiny_lora
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -584,6 +584,8 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(
     assert answer.status_code == 200, answer.text
     assert answer.text == "Success: LoRA adapter 'rl' added successfully."
     assert tokens("rl") == want[0]
+    listed = {card["id"]: card for card in http.get("/v1/models", headers=AUTH).json()["data"]}
+    assert listed["rl"]["root"] == str(first.resolve()) and listed["rl"]["parent"] == "x"
     taken = load("rl", second).json()["error"]
     assert taken["message"].endswith("The lora adapter 'rl' has already been loaded.")
     assert taken["param"] == "lora_name"
@@ -600,6 +602,7 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(
     answer = http.post("/v1/unload_lora_adapter", json=unload, headers=AUTH)
     assert answer.text == "Success: LoRA adapter 'rl' removed successfully."
     assert tokens("rl") == 404
+    assert "rl" not in {card["id"] for card in http.get("/v1/models", headers=AUTH).json()["data"]}
     gone = http.post("/v1/unload_lora_adapter", json=unload, headers=AUTH)
     assert (
         gone.status_code == 404

@@ -6,6 +6,9 @@ every replica, one started later too, without a message to each."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
@@ -16,6 +19,7 @@ from pagedray.openai.server import OpenAIServer, openai_server
 from pagedray.openai.serving import bad_request, error_response
 
 router = APIRouter()
+BodyT = TypeVar("BodyT", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest")
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -37,12 +41,29 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def _off(server: OpenAIServer) -> Response | None:
-    """vLLM's answer where the routes are off: they are not there."""
-    if server.config.allow_runtime_lora_updating:
-        return None
-    message = "loading LoRA adapters at run time is off (--allow-runtime-lora-updating)"
-    return error_response(404, message, "NotFoundError")
+async def _update(
+    raw: Request,
+    server: OpenAIServer,
+    body_model: type[BodyT],
+    change: Callable[[BodyT], None],
+    done: str,
+) -> Response:
+    """A run-time change: 404 where the routes are off (vLLM's: they are not there), else the
+    body parsed and `change` made in a thread (it touches the filesystem), answered as vLLM's:
+    `done` in plain text, a 400 for a refusal, a 404 for a name not found."""
+    if not server.config.allow_runtime_lora_updating:
+        message = "loading LoRA adapters at run time is off (--allow-runtime-lora-updating)"
+        return error_response(404, message, "NotFoundError")
+    body = await server.parse(raw, body_model)
+    if isinstance(body, Response):
+        return body
+    try:
+        await server.in_thread(change, body)
+    except LookupError as exc:
+        return error_response(404, str(exc), "NotFoundError", param="lora_name")
+    except ValueError as exc:
+        return bad_request(exc)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' {done} successfully.")
 
 
 @router.post(
@@ -53,19 +74,10 @@ def _off(server: OpenAIServer) -> Response | None:
 async def load_lora_adapter(
     raw: Request, server: OpenAIServer = Depends(openai_server)
 ) -> Response:
-    off = _off(server)
-    if off is not None:
-        return off
-    body = await server.parse(raw, LoadLoRAAdapterRequest)
-    if isinstance(body, Response):
-        return body
-    try:
-        await server.in_thread(
-            link_adapter, server.config, body.lora_name, body.lora_path, body.load_inplace
-        )
-    except ValueError as exc:
-        return bad_request(exc)
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    def link(body: LoadLoRAAdapterRequest) -> None:
+        link_adapter(server.config, body.lora_name, body.lora_path, body.load_inplace)
+
+    return await _update(raw, server, LoadLoRAAdapterRequest, link, "added")
 
 
 @router.post(
@@ -76,16 +88,7 @@ async def load_lora_adapter(
 async def unload_lora_adapter(
     raw: Request, server: OpenAIServer = Depends(openai_server)
 ) -> Response:
-    off = _off(server)
-    if off is not None:
-        return off
-    body = await server.parse(raw, UnloadLoRAAdapterRequest)
-    if isinstance(body, Response):
-        return body
-    try:
-        await server.in_thread(unlink_adapter, server.config, body.lora_name)
-    except LookupError as exc:
-        return error_response(404, str(exc), "NotFoundError", param="lora_name")
-    except ValueError as exc:
-        return bad_request(exc)
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+    def unlink(body: UnloadLoRAAdapterRequest) -> None:
+        unlink_adapter(server.config, body.lora_name)
+
+    return await _update(raw, server, UnloadLoRAAdapterRequest, unlink, "removed")
