@@ -108,25 +108,42 @@ class Served:
 
 
 def warm_up(url: str) -> None:
-    """One short chat request, untimed, so that neither server's first request is measured."""
-    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+    """One short chat request, untimed, so that neither server's first request is measured
+    (the last model listed: a LoRA adapter where the servers have one)."""
+    model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][-1]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
     httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+
+# The adapter's name, on both servers, with --lora.
+LORA_NAME = "adapter"
 
 
 def serve_sweep(system: str, args: argparse.Namespace, env: VllmEnv, path: str) -> Served:
     log_dir = Path(tempfile.mkdtemp(prefix=f"vllm_peer_{system.replace(' ', '')}_"))
     server: Server
+    # With --lora, both serve one adapter, which every request names (vLLM's flags, both).
+    lora_flags: tuple[str, ...] = ()
+    if args.lora_adapter:
+        lora_flags = ("--enable-lora", "--lora-modules", f"{LORA_NAME}={args.lora_adapter}")
+        lora_flags += ("--max-lora-rank", str(args.lora_rank))
     if system in ("pagedray", NO_RAY):
         # NOTE: each with a host KV tier of its own (`Server`'s default): guidellm's seeded
         # prompts repeat from one sweep to the next, and vLLM starts with an empty cache.
-        flags = ("--no-ray",) if system == NO_RAY else ()
+        flags = (("--no-ray",) if system == NO_RAY else ()) + lora_flags
         server = Server(path, args.server_threads, 1, log_dir, 1, flags, args.dtype)
         role_of = _role_of
     else:
-        server, role_of = VllmServer(env, path, log_dir, dtype=args.dtype), vllm_role
+        server = VllmServer(env, path, log_dir, lora_flags, dtype=args.dtype)
+        role_of = vllm_role
     guidellm = Guidellm(
-        args.guidellm, path, args.request_format, PROMPT_TOKENS, OUTPUT_TOKENS, log_dir
+        args.guidellm,
+        path,
+        args.request_format,
+        PROMPT_TOKENS,
+        OUTPUT_TOKENS,
+        log_dir,
+        LORA_NAME if args.lora_adapter else None,
     )
     with CpuTimeline() as timeline:
         timeline.watch(os.getsid(0), lambda pid: "benchmark")
@@ -271,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     add("--preset", default="small", choices=PRESETS, help="the built model")
     add("--dtype", default="float32", choices=DTYPES, help="both systems' weights and KV")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    add("--lora", action="store_true", help="served: every request names one LoRA adapter")
+    add("--lora-rank", type=int, default=8, help="its rank (pagedray make-lora's, seeded)")
     add_vllm_args(parser)
     add("--guidellm", default="/work/clients-venv/bin/guidellm", help="guidellm executable")
     add(
@@ -314,6 +333,13 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; from {sorted(SERVED_SYSTEMS)}")
     systems = [SERVED_SYSTEMS[name] for name in args.systems.split(",")]
+    args.lora_adapter = None
+    if args.lora:
+        from pagedray.workers.lora_checkpoint import make_lora_adapter
+
+        folder = Path(tempfile.mkdtemp(prefix="vllm_peer_lora_")) / LORA_NAME
+        args.lora_adapter = str(make_lora_adapter(path, folder, rank=args.lora_rank))
+        print(f"served: every request names a rank-{args.lora_rank} LoRA adapter", flush=True)
     served: dict[str, list[Served]] = {system: [] for system in systems}
     if "served" in parts:
         for round_idx in range(args.rounds or (1 if args.quick else 3)):

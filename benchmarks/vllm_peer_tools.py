@@ -390,6 +390,7 @@ class Guidellm:
     prompt_tokens: int
     output_tokens: int
     log_dir: Path
+    served_model: str | None = None  # the `model` requests name (a LoRA adapter); None: first
 
     def run(
         self, url: str, profile: str, count: int, seconds: float, label: str, timeline: CpuTimeline
@@ -397,6 +398,8 @@ class Guidellm:
         backend = f"kind=openai_http,target={url}"
         if self.request_format:
             backend += f",request_format={self.request_format}"
+        if self.served_model:
+            backend += f",model={self.served_model}"
         out = self.log_dir / f"guidellm_{label}.json"
         data = f"kind=synthetic_text,prompt_tokens={self.prompt_tokens},"
         data += f"output_tokens={self.output_tokens}"
