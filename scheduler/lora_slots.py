@@ -12,7 +12,6 @@ bounds a batch, and an adapter that running sequences use is never overwritten.
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -23,14 +22,15 @@ from pagedray.scheduler.request import Request
 class LoRASlots:
     """The adapters an engine knows and which of them each slot holds.
 
-    An adapter is known by an id: its name, or, for one found in the resolver's folder, its
-    name and the folder the name leads to when a request names it, so that a name pointed at
-    another folder at run time (`/v1/load_lora_adapter`) is another adapter, and a request
-    runs with the one its name meant when it arrived.
+    An adapter is known by an id: its key (name and files' identity) and folder when a request
+    names it (`adapter_id`), so that a name pointed at another folder at run time
+    (`/v1/load_lora_adapter`) or weights written again into its folder is another adapter, and
+    a request runs with the one its name meant when it arrived.
     """
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
+        self.folders: dict[str, str] = {}  # registered name -> its folder (checked)
         self.paths: dict[str, str] = {}  # adapter id -> its folder
         self._names: dict[str, str] = {}  # adapter id -> the name requests give it
         # What its prefix-cache blocks are hashed with: its name and its files' identity, so a
@@ -51,34 +51,49 @@ class LoRASlots:
         # OSError for a folder it cannot read).
         self.key_of: Callable[[str, str], str] = lambda name, path: name
 
-    def register(self, name: str, path: str, adapter: str | None = None) -> None:
-        """Let requests name `name`, the adapter at `path` (again with the same path: nothing
-        changes); `adapter`: its id (default: the name).
+    def register(self, name: str, path: str) -> None:
+        """Let requests name `name`, the adapter in the folder `path` (again with the same
+        folder: nothing changes).
 
         Raises:
-            ValueError: `name` is registered with another path.
+            ValueError: `name` is registered with another folder.
         """
-        adapter = adapter or name
-        if self.paths.get(adapter) not in (None, path):
-            raise ValueError(f"lora_name: {name!r} is already loaded from {self.paths[adapter]!r}")
-        if adapter not in self.paths:
-            self.paths[adapter] = path
-            self._names[adapter] = name
-            self.keys[adapter] = self.key_of(name, path)
+        if self.folders.get(name) not in (None, path):
+            raise ValueError(f"lora_name: {name!r} is already loaded from {self.folders[name]!r}")
+        self.folders[name] = path
 
     def adapter_id(self, name: str) -> str | None:
-        """The adapter a request naming `name` runs with: a registered one, else the one the
-        resolver's folder holds under that name now (checked and registered; ValueError: it
-        is no adapter this model can use); None: no adapter of that name."""
-        if name not in self.paths and self.locate is not None and self.resolver is not None:
-            folder = self.locate(name)
-            if folder is None:
-                return None
-            adapter = f"{name}@{folder}"
-            if adapter not in self.paths:
-                self.register(name, self.resolver(name), adapter)
-            return adapter
-        return name if name in self.paths else None
+        """The adapter a request naming `name` runs with, as its folder holds it now: a
+        registered name's folder, else the one the resolver's folder leads to (checked when
+        first seen; ValueError: it is no adapter this model can use); None: no adapter of that
+        name. Its id holds its key, so weights written again into a folder (a retrain, vLLM's
+        `load_inplace` of the same path) are another adapter, loaded afresh, and a request
+        runs with what its name meant when it arrived.
+
+        Raises:
+            ValueError: the adapter's files cannot be read now.
+        """
+        folder, checked = self.folders.get(name), True
+        if folder is None and self.locate is not None and self.resolver is not None:
+            folder, checked = self.locate(name), False
+        if folder is None:
+            return None
+        try:
+            key = self.key_of(name, folder)
+        except OSError:
+            if not checked and self.resolver is not None:
+                self.resolver(name)  # its refusal says why, as the client may read it
+            # No path in the message: a client reads it.
+            raise ValueError(f"model: the LoRA adapter {name!r} cannot be read") from None
+        adapter = f"{key}@{folder}"
+        if adapter not in self.paths:
+            if not checked:
+                assert self.resolver is not None
+                self.resolver(name)  # the folder's adapter fits the model, or ValueError
+            self.paths[adapter] = folder
+            self._names[adapter] = name
+            self.keys[adapter] = key
+        return adapter
 
     def waits_for_slot(self, name: str) -> bool:
         """After `ready` said no: whether no slot could take `name` (else it is loading)."""
@@ -136,15 +151,12 @@ class LoRASlots:
     def loaded(self, loads: list[LoRALoad], failed_slots: list[int]) -> list[str]:
         """A step ran `loads` (its plan's); those in `failed_slots` left their slot empty on
         some rank. Returns the adapters that failed (out of the slots again: the requests
-        waiting for them end, and the next one to name them tries anew, under the key its
-        folder has then: one trained again in place runs under a new key)."""
+        waiting for them end, and the next one to name them tries anew)."""
         failed = []
         for load in loads:
             self._loading.discard(load.adapter)
             if load.slot in failed_slots:
                 self._evict(load.adapter)
-                with contextlib.suppress(OSError):  # gone for now: its key, when it is back
-                    self.keys[load.adapter] = self.key_of(load.name, load.path)
                 failed.append(load.adapter)
             elif self._users.get(load.adapter) == 0:
                 self._idle[load.adapter] = None

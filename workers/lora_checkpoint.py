@@ -57,6 +57,13 @@ def read_adapter(name: str, path: str, model: ModelConfig, max_lora_rank: int) -
         ValueError: "lora_path: ..." saying what is missing or does not fit.
     """
     try:
+        return _read_adapter(name, path, model, max_lora_rank)
+    except (TypeError, AttributeError, KeyError, OverflowError) as error:  # a crafted file
+        raise ValueError(f"lora_path: {path!r}: not a PEFT adapter ({error!r})") from None
+
+
+def _read_adapter(name: str, path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    try:
         folder = Path(path).expanduser().resolve()
     except (OSError, RuntimeError, ValueError) as error:  # a loop of links, a NUL byte
         raise ValueError(f"lora_path: {path!r} cannot be resolved: {error}") from None

@@ -55,6 +55,13 @@ def human_readable_int(value: Any) -> Any:
     return int(number) * _BINARY[suffix]
 
 
+def _switched_on(value: Any) -> bool:
+    """A boolean setting as pydantic reads it, before it does: "false", "0", "off" are off."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
+    return bool(value)
+
+
 def flags(*names: str, choices: tuple[str, ...] = (), json: bool = False) -> dict[str, Any]:
     """A field's command-line spelling (its `json_schema_extra`): the flags that set it, the
     first shown in the help (none given: `--field-name`), values taken beyond its type's (vLLM's
@@ -425,12 +432,12 @@ class EngineConfig(BaseModel):
     def _vllm_lora_environment(cls, values: Any) -> Any:
         # vLLM's filesystem resolver reads its folder from the environment, and its routes
         # that load adapters at run time are switched on there (here they link into it).
-        if not isinstance(values, dict) or not values.get("enable_lora"):
+        if not isinstance(values, dict) or not _switched_on(values.get("enable_lora")):
             return values
         folder = os.environ.get(LORA_RESOLVER_ENV)
         if values.get("lora_resolver_dir") is None and folder:
             values = {**values, "lora_resolver_dir": folder}
-        allowed = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes")
+        allowed = _switched_on(os.environ.get(RUNTIME_LORA_ENV, ""))
         if values.get("allow_runtime_lora_updating") is None and allowed:
             runtime = bool(values.get("lora_resolver_dir"))
             values = {**values, "allow_runtime_lora_updating": runtime}

@@ -43,7 +43,7 @@ def add_adapter(core: EngineCore, config: EngineConfig, name: str, path: str) ->
     slots = core.scheduler.lora_slots
     if slots is None:
         raise ValueError("lora_request: this engine was built without enable_lora")
-    if slots.paths.get(name) == str(Path(path).expanduser().resolve()):
+    if slots.folders.get(name) == str(Path(path).expanduser().resolve()):
         return  # known already: checked when it was added
     model = ModelConfig.from_pretrained(config.model, config.dtype)
     slots.register(name, read_adapter(name, path, model, config.max_lora_rank).path)
@@ -127,11 +127,19 @@ def link_adapter(config: EngineConfig, name: str, path: str, replace: bool = Fal
     folder = read_adapter(name, path, model, config.max_lora_rank).path
     staged = root / f".{name}.{uuid.uuid4().hex}"
     try:
+        if not replace:
+            os.symlink(folder, link)  # at once, or EEXIST: another replica loaded it first
+            return
         os.symlink(folder, staged)
         os.replace(staged, link)  # at once: a resolver sees the old link or the new one
+    except FileExistsError:
+        raise refusal("lora_name", f"The lora adapter '{name}' has already been loaded.") from None
     except OSError as error:
         message = f"cannot link {name!r} into the resolver's folder: {error}"
         raise refusal("lora_name", message) from None
+    finally:
+        if staged.is_symlink():  # a replace that failed leaves no link behind
+            staged.unlink(missing_ok=True)
 
 
 def unlink_adapter(config: EngineConfig, name: str) -> None:
@@ -145,9 +153,11 @@ def unlink_adapter(config: EngineConfig, name: str) -> None:
     if not config.allow_runtime_lora_updating or not config.lora_resolver_dir:
         raise refusal("lora_name", "loading LoRA adapters at run time is off on this server")
     link = Path(config.lora_resolver_dir) / name
+    if name in config.lora_adapters():
+        raise refusal("lora_name", f"{name!r} was not loaded at run time: it stays")
     if config.resolvable_name(name) is None or not (link.is_symlink() or link.exists()):
         raise LookupError(f"The lora adapter '{name}' cannot be found.")
-    if not link.is_symlink() or name in config.lora_adapters():
+    if not link.is_symlink():
         raise refusal("lora_name", f"{name!r} was not loaded at run time: it stays")
     try:
         link.unlink()

@@ -175,9 +175,10 @@ class OpenAIServer:
         adapters = dict(self.config.lora_adapters())
         root = self.config.lora_resolver_dir
         names = sorted(os.listdir(root)) if root and os.path.isdir(root) else []
+        served = set(self.config.served_names())
         for name in names:
             path = self.config.resolvable_lora(name)
-            if path is not None and name not in adapters:
+            if path is not None and name not in adapters and name not in served:
                 adapters[name] = str(Path(path).resolve())
         return adapters
 

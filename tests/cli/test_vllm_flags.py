@@ -130,6 +130,10 @@ def test_lora_settings_as_vllm_s(monkeypatch: pytest.MonkeyPatch) -> None:
         "/loras"
     )
     assert validated(EngineConfig, {"model": MODEL}).lora_resolver_dir is None
+    # `serve run ... enable_lora=false` gives text: off, so the environment is not read.
+    assert (
+        validated(EngineConfig, {"model": MODEL, "enable_lora": "false"}).lora_resolver_dir is None
+    )
     # vLLM's switch of the run-time routes: on where there is a folder to link adapters into.
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     lora_on = {"model": MODEL, "enable_lora": True}

@@ -583,7 +583,7 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(
     answer = load("rl", first)
     assert answer.status_code == 200, answer.text
     assert answer.text == "Success: LoRA adapter 'rl' added successfully."
-    assert tokens("rl") == want[0]
+    assert want[0] != want[1] and tokens("rl") == want[0]
     listed = {card["id"]: card for card in http.get("/v1/models", headers=AUTH).json()["data"]}
     assert listed["rl"]["root"] == str(first.resolve()) and listed["rl"]["parent"] == "x"
     taken = load("rl", second).json()["error"]
@@ -598,6 +598,10 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(
     )
     assert load("rl", second, load_inplace=True).status_code == 200
     assert tokens("rl") == want[1]
+    # An RL trainer's loop: new weights written into the same folder, loaded in place.
+    make_lora_adapter(tiny_llama, second, seed=21)  # the first adapter's weights, anew
+    assert load("rl", second, load_inplace=True).status_code == 200
+    assert tokens("rl") == want[0]
     unload = {"lora_name": "rl"}
     answer = http.post("/v1/unload_lora_adapter", json=unload, headers=AUTH)
     assert answer.text == "Success: LoRA adapter 'rl' removed successfully."
@@ -608,6 +612,8 @@ def test_lora_adapters_loaded_and_unloaded_at_run_time(
         gone.status_code == 404
         and gone.json()["error"]["message"] == "The lora adapter 'rl' cannot be found."
     )
-    stays = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=AUTH)
-    assert stays.status_code == 400 and tokens("a") != 404
+    for kept in ("a", "x-lora"):  # a folder of the resolver's own, a --lora-modules adapter
+        stays = http.post("/v1/unload_lora_adapter", json={"lora_name": kept}, headers=AUTH)
+        assert stays.status_code == 400 and "was not loaded at run time" in stays.text
+        assert isinstance(tokens(kept), list)
     assert _all_blocks_free(http)

@@ -40,9 +40,9 @@ def test_every_running_sequence_finds_its_adapter_in_its_slot(max_loras: int, op
 
     for op, pick in ops:
         name = ADAPTERS[pick % len(ADAPTERS)]
-        if op == "admit" and slots.ready(name):
+        if op == "admit" and slots.ready(slots.adapter_id(name) or ""):
             req = Request(EngineRequest(str(next(ids)), [1, 2], SamplingParams(), lora_name=name))
-            req.lora_id = name  # registered by name: its id (Scheduler.add_request sets it)
+            req.lora_id = slots.adapter_id(name)  # as Scheduler.add_request sets it
             slots.acquire(req)
             running.append(req)
         elif op in ("step", "fail_load"):
@@ -64,17 +64,18 @@ def test_every_running_sequence_finds_its_adapter_in_its_slot(max_loras: int, op
             running += children
         assert len({req.lora_name for req in running}) <= max_loras
         for req in running:
-            assert req.lora_slot is not None and rank[req.lora_slot] == req.lora_name
+            assert req.lora_slot is not None and rank[req.lora_slot] == req.lora_id
     for req in running:
         slots.release(req)
     assert slots.running_adapters() == []
     # Nothing runs: each adapter is ready after at most one load, and none stays loading.
     slots.lost(slots.take_loads())
     for name in ADAPTERS:
-        if not slots.ready(name):
-            assert not slots.waits_for_slot(name)  # a slot took it: it is loading
+        adapter = slots.adapter_id(name) or ""
+        if not slots.ready(adapter):
+            assert not slots.waits_for_slot(adapter)  # a slot took it: it is loading
             assert slots.loaded(slots.take_loads(), []) == []
-        assert slots.ready(name) and not slots.waits_for_slot(name)
+        assert slots.ready(adapter) and not slots.waits_for_slot(adapter)
 
 
 def test_a_name_is_not_moved_to_another_path() -> None:
