@@ -148,8 +148,7 @@ class WorkerLoRA:
         self.model_config = model_config
         self.max_rank = max_rank
         self.tp: TensorParallelGroup = model.tp  # type: ignore[assignment]
-        first = next(model.parameters())
-        self.device = first.device
+        self.device = next(model.parameters()).device
         self.step = LoRAStep(max_loras, model_config.dtype, self.device)
         # Checkpoint projection -> (its stack, the fused parameter's shard id, part index).
         self._targets: dict[str, tuple[LoRAStack, Any, int]] = {}
@@ -171,9 +170,9 @@ class WorkerLoRA:
                 part = _part_index(module, shard_id)
                 self._targets[f"{prefix}.{hf_name}"] = (stack, shard_id, part)
 
-    def load_all(self, loads: list[LoRALoad]) -> dict[int, str]:
-        """The plan's loads, in order; the slots left empty because a load failed on some rank,
-        by slot: the adapter's name. A file that cannot be read fails the requests waiting for
+    def load_all(self, loads: list[LoRALoad]) -> list[int]:
+        """The plan's loads, in order; the slots left empty because a load failed on some rank.
+        A file that cannot be read fails the requests waiting for
         that adapter, not the engine (it was checked when named; it may since be gone, or
         absent from another node). Collective at TP > 1: every rank reads the same answer."""
         ok = []
@@ -183,24 +182,23 @@ class WorkerLoRA:
                 ok.append(1)
             except Exception:  # noqa: BLE001 - one adapter's file is its requests' failure
                 logger.exception("LoRA adapter %r (%s) could not be loaded", load.name, load.path)
-                self._clear(load.slot)
                 ok.append(0)
         if self.tp.world_size > 1:
             agreed = self.tp.all_reduce(torch.tensor(ok, dtype=torch.int32, device=self.device))
             ok = [int(count == self.tp.world_size) for count in agreed.tolist()]
-        failed: dict[int, str] = {}
+        failed: set[int] = set()
         for load, loaded in zip(loads, ok):  # a slot's last load decides it
             if loaded:
-                failed.pop(load.slot, None)
+                failed.discard(load.slot)
             else:
                 self._clear(load.slot)
-                failed[load.slot] = load.name
+                failed.add(load.slot)
         for stack in self._stacks:
             stack.pack()
-        return failed
+        return sorted(failed)
 
     def _clear(self, slot: int) -> None:
-        for stack, _, _ in self._targets.values():
+        for stack in self._stacks:
             stack.clear(slot)
 
     def load(self, load: LoRALoad) -> None:
@@ -208,8 +206,8 @@ class WorkerLoRA:
         `load_all` then lays the stacks out for the GEMMs again."""
         adapter = read_adapter(load.name, load.path, self.model_config, self.max_rank)
         if adapter_key(load.name, adapter.path) != load.key:
-            # Its blocks are hashed under the key of the files registered: new weights under
-            # it would be served for the old ones'. The scheduler takes the new key.
+            # Its blocks are hashed under the key its request arrived with: new weights under
+            # it would be served for the old ones'. Requests naming it now get the new key.
             raise ValueError(f"{adapter.path} changed since it was registered")
         tensors = load_file(f"{adapter.path}/{ADAPTER_WEIGHTS}")
         pairs: dict[str, dict[str, torch.Tensor]] = {}

@@ -74,15 +74,14 @@ class ModelRunner:
                 self._tier_copy(
                     "disk_tier_load", disk.load, scheduler_output.blocks_to_load_from_disk
                 )
-        # Slots whose adapter failed to load, by slot: the adapter's name.
-        unloaded = {}
+        unloaded = []  # slots whose adapter failed to load
         if self.lora is not None and scheduler_output.lora_loads:
             unloaded = self.lora.load_all(scheduler_output.lora_loads)
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy)
             self.attention.copy_blocks(self.kv_cache, list(src), list(dst))
         empty = ModelRunnerOutput(scheduler_output.step_id, [], [], [])
-        empty.lora_load_failures = sorted(unloaded)
+        empty.lora_load_failures = unloaded
         if scheduler_output.total_num_scheduled_tokens == 0:
             return empty
         input_ids, positions, metadata, sample_idx, sample_req_ids = self._prepare_inputs(
@@ -111,19 +110,18 @@ class ModelRunner:
         rows = [self._sampling_row(req_id) for req_id in sample_req_ids]
         sampled = self.sampler(logits, rows)
         ok = [i for i, row in enumerate(sampled) if row.error is None]
-        failed = {
-            req_id: row.error
-            for req_id, row in zip(sample_req_ids, sampled)
-            if row.error is not None
-        }
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
             req_ids=[sample_req_ids[i] for i in ok],
             sampled_token_ids=[sampled[i].token_ids for i in ok],
             logprobs=[sampled[i].logprobs for i in ok],
             prompt_logprobs=prompt_logprobs,
-            failed=failed,
-            lora_load_failures=empty.lora_load_failures,
+            failed={
+                req_id: row.error
+                for req_id, row in zip(sample_req_ids, sampled)
+                if row.error is not None
+            },
+            lora_load_failures=unloaded,
         )
 
     def _tier_copy(

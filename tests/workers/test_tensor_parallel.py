@@ -91,7 +91,7 @@ def _run(path: Path, tp, adapter: str | None = None) -> list[torch.Tensor]:
     if adapter is not None:
         lora = WorkerLoRA(model, config, max_loras=2, max_rank=8)
         load = LoRALoad(1, "a", "a", adapter, adapter_key("a", adapter))
-        assert lora.load_all([load]) == {}  # agreed over the ranks
+        assert lora.load_all([load]) == []  # agreed over the ranks
     kv_cache = torch.zeros(model.kv_cache_shape(10, BLOCK_SIZE))
     logits = []
     for input_ids, positions, metadata in _step_inputs(config.vocab_size):
